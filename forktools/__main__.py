@@ -1,0 +1,93 @@
+"""python -m forktools COMMAND: build the fork and maintain its patch series (docs/maintaining.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from forktools.series import PatchError, apply_patch, new_files, read_series
+from forktools.tree import export_tree, export_upstream_diffs, open_tree, rebase_tree
+from forktools.upstream import UPSTREAM_WHEEL_ENV, UpstreamError, load_pin, obtain_wheel
+from forktools.wheelbuild import build_wheel
+
+
+def _wheel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--upstream-wheel",
+        help=f"local pinned upstream wheel, or a folder holding it (default: ${UPSTREAM_WHEEL_ENV}, else pip download)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m forktools", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build", help="build the fork's wheel")
+    p.add_argument("-o", "--out-dir", default="dist", type=Path)
+    _wheel_arg(p)
+
+    p = sub.add_parser("check", help="apply the series strictly to the pristine pinned upstream")
+    _wheel_arg(p)
+
+    p = sub.add_parser("open", help="editable git tree: upstream + one commit per patch")
+    p.add_argument("tree", type=Path)
+    _wheel_arg(p)
+
+    p = sub.add_parser("export", help="write an edited tree's commits back to patches/ and python/")
+    p.add_argument("tree", type=Path)
+
+    p = sub.add_parser("rebase", help="apply the series to another upstream wheel and report")
+    p.add_argument("tree", type=Path)
+    p.add_argument("--new-wheel", required=True, type=Path, help="the newer upstream wheel file")
+
+    p = sub.add_parser("upstream-diffs", help="one patch per concern for the upstream repository")
+    p.add_argument("-o", "--out-dir", default="dist/upstream-patches", type=Path)
+
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (PatchError, UpstreamError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    pin = load_pin()
+    if args.command == "build":
+        print(build_wheel(args.out_dir, args.upstream_wheel))
+    elif args.command == "check":
+        wheel = obtain_wheel(pin, args.upstream_wheel)
+        with tempfile.TemporaryDirectory() as tmp:
+            from wheel.cli.unpack import unpack
+
+            unpack(str(wheel), tmp)
+            root = Path(tmp) / f"{pin.package}-{pin.version}"
+            patches = read_series()
+            new_files(patches)
+            for patch in patches:
+                changed = apply_patch(patch, root)
+                print(f"{patch.name}: applies exactly ({len(changed)} files)")
+        print(f"series OK against {wheel.name}")
+    elif args.command == "open":
+        patches = open_tree(pin, obtain_wheel(pin, args.upstream_wheel), args.tree)
+        print(f"{args.tree}: upstream {pin.version} + {len(patches)} commits (tag 'upstream' marks the base)")
+    elif args.command == "export":
+        for path in export_tree(args.tree):
+            print(path)
+    elif args.command == "rebase":
+        report = rebase_tree(pin, args.new_wheel, args.tree)
+        for name, status in report:
+            print(f"{name}: {status}")
+        failed = [name for name, status in report if status.startswith("DOES NOT APPLY")]
+        print(f"{len(report) - len(failed)} of {len(report)} patches applied; tree at {args.tree}")
+        return 1 if failed else 0
+    elif args.command == "upstream-diffs":
+        for path in export_upstream_diffs(args.out_dir):
+            print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
