@@ -28,21 +28,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out-dir", default="dist", type=Path)
     _wheel_arg(p)
 
-    p = sub.add_parser("check", help="apply the series strictly to the pristine pinned upstream")
+    p = sub.add_parser(
+        "check", help="apply the series strictly to the pristine pinned upstream"
+    )
     _wheel_arg(p)
 
-    p = sub.add_parser("open", help="editable git tree: upstream + one commit per patch")
+    p = sub.add_parser(
+        "open", help="editable git tree: upstream + one commit per patch"
+    )
     p.add_argument("tree", type=Path)
     _wheel_arg(p)
 
-    p = sub.add_parser("export", help="write an edited tree's commits back to patches/ and python/")
+    p = sub.add_parser(
+        "export", help="write an edited tree's commits back to patches/ and python/"
+    )
     p.add_argument("tree", type=Path)
 
-    p = sub.add_parser("rebase", help="apply the series to another upstream wheel and report")
+    p = sub.add_parser(
+        "rebase", help="apply the series to another upstream wheel and report"
+    )
     p.add_argument("tree", type=Path)
-    p.add_argument("--new-wheel", required=True, type=Path, help="the newer upstream wheel file")
+    p.add_argument(
+        "--new-wheel", required=True, type=Path, help="the newer upstream wheel file"
+    )
 
-    p = sub.add_parser("upstream-diffs", help="one patch per concern for the upstream repository")
+    p = sub.add_parser(
+        "upstream-diffs", help="one patch per concern for the upstream repository"
+    )
     p.add_argument("-o", "--out-dir", default="dist/upstream-patches", type=Path)
 
     args = parser.parse_args(argv)
@@ -72,7 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"series OK against {wheel.name}")
     elif args.command == "open":
         patches = open_tree(pin, obtain_wheel(pin, args.upstream_wheel), args.tree)
-        print(f"{args.tree}: upstream {pin.version} + {len(patches)} commits (tag 'upstream' marks the base)")
+        print(
+            f"{args.tree}: upstream {pin.version} + {len(patches)} commits (tag 'upstream' marks the base)"
+        )
     elif args.command == "export":
         for path in export_tree(args.tree):
             print(path)
@@ -80,8 +94,12 @@ def _run(args: argparse.Namespace) -> int:
         report = rebase_tree(pin, args.new_wheel, args.tree)
         for name, status in report:
             print(f"{name}: {status}")
-        failed = [name for name, status in report if status.startswith("DOES NOT APPLY")]
-        print(f"{len(report) - len(failed)} of {len(report)} patches applied; tree at {args.tree}")
+        failed = [
+            name for name, status in report if status.startswith("DOES NOT APPLY")
+        ]
+        print(
+            f"{len(report) - len(failed)} of {len(report)} patches applied; tree at {args.tree}"
+        )
         return 1 if failed else 0
     elif args.command == "upstream-diffs":
         for path in export_upstream_diffs(args.out_dir):

@@ -80,12 +80,12 @@ def parse_patch(path: Path) -> Patch:
         raise PatchError(f"{path.name}: no diff")
     head = text[:start]
     if not head.endswith("---\n"):
-        raise PatchError(f"{path.name}: the header must end with a '---' line before the diff")
+        raise PatchError(
+            f"{path.name}: the header must end with a '---' line before the diff"
+        )
     head = head[: -len("---\n")]
     header, _, body = head.partition("\n\n")
-    fields = dict(
-        line.split(": ", 1) for line in header.splitlines() if ": " in line
-    )
+    fields = dict(line.split(": ", 1) for line in header.splitlines() if ": " in line)
     for key in ("From", "Subject"):
         if not fields.get(key):
             raise PatchError(f"{path.name}: header lacks '{key}:'")
@@ -129,7 +129,9 @@ def upstream_path(path: str) -> str:
     return path[2:] if path[:2] in ("a/", "b/") else path
 
 
-def apply_patch(patch: Patch, package_root: Path, prefix: str = UPSTREAM_PREFIX) -> list[Path]:
+def apply_patch(
+    patch: Patch, package_root: Path, prefix: str = UPSTREAM_PREFIX
+) -> list[Path]:
     """Apply `patch` to the tree whose `prefix` (upstream layout) maps to `package_root`.
 
     Checks every hunk before writing anything, so a patch that fails leaves the tree unchanged.
@@ -161,11 +163,14 @@ def apply_patch(patch: Patch, package_root: Path, prefix: str = UPSTREAM_PREFIX)
             source, new = _hunk_lines(hunk)
             start = hunk.source_start - 1 if hunk.source_length else hunk.source_start
             if start < pos:
-                raise PatchError(f"{_hunk_label(patch, rel, index, hunk)}: overlaps the previous hunk")
+                raise PatchError(
+                    f"{_hunk_label(patch, rel, index, hunk)}: overlaps the previous hunk"
+                )
             actual = original[start : start + len(source)]
             if actual != source:
                 first = next(
-                    (i for i, (a, b) in enumerate(zip(actual, source)) if a != b), len(actual)
+                    (i for i, (a, b) in enumerate(zip(actual, source)) if a != b),
+                    len(actual),
                 )
                 found = actual[first] if first < len(actual) else "<end of file>"
                 raise PatchError(
@@ -188,7 +193,9 @@ def new_files(patches: list[Patch]) -> dict[str, Patch]:
     for patch in patches:
         for rel in patch.adds:
             if rel in owner:
-                raise PatchError(f"{rel} is claimed by {owner[rel].name} and {patch.name}")
+                raise PatchError(
+                    f"{rel} is claimed by {owner[rel].name} and {patch.name}"
+                )
             owner[rel] = patch
     on_disk = {
         str(p.relative_to(NEW_FILES_DIR.parent))
@@ -198,7 +205,11 @@ def new_files(patches: list[Patch]) -> dict[str, Patch]:
     missing = sorted(set(owner) - on_disk)
     unclaimed = sorted(on_disk - set(owner))
     if missing:
-        raise PatchError(f"claimed by a patch but missing under python/: {', '.join(missing)}")
+        raise PatchError(
+            f"claimed by a patch but missing under python/: {', '.join(missing)}"
+        )
     if unclaimed:
-        raise PatchError(f"under python/ but claimed by no patch ('Adds:'): {', '.join(unclaimed)}")
+        raise PatchError(
+            f"under python/ but claimed by no patch ('Adds:'): {', '.join(unclaimed)}"
+        )
     return owner

@@ -42,17 +42,33 @@ def git(tree: Path, *args: str, input: str | None = None) -> str:
 
 def _author_args(author: str) -> list[str]:
     name, _, email = author.partition(" <")
-    return ["-c", f"user.name={name}", "-c", f"user.email={email.rstrip('>') or 'unknown'}"]
+    return [
+        "-c",
+        f"user.name={name}",
+        "-c",
+        f"user.email={email.rstrip('>') or 'unknown'}",
+    ]
 
 
 def _commit(tree: Path, author: str, message: str) -> None:
     git(tree, "add", "-A")
-    git(tree, *_author_args(author), "commit", "-q", "--allow-empty", "-F", "-", input=message)
+    git(
+        tree,
+        *_author_args(author),
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-F",
+        "-",
+        input=message,
+    )
 
 
 def _commit_message(patch: Patch) -> str:
     trailers = "".join(f"Adds: {p}\n" for p in patch.adds)
-    return f"{patch.subject}\n\n{patch.body.strip()}\n" + (f"\n{trailers}" if trailers else "")
+    return f"{patch.subject}\n\n{patch.body.strip()}\n" + (
+        f"\n{trailers}" if trailers else ""
+    )
 
 
 def init_upstream_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> None:
@@ -65,7 +81,11 @@ def init_upstream_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> None:
         (unpacked,) = Path(tmp).iterdir()
         shutil.move(unpacked / pin.package, tree / TREE_PACKAGE_DIR / pin.package)
     git(tree, "init", "-q", "-b", "main")
-    _commit(tree, "sglang-train-parity <noreply@localhost>", f"Upstream {upstream_wheel.name}\n")
+    _commit(
+        tree,
+        "sglang-train-parity <noreply@localhost>",
+        f"Upstream {upstream_wheel.name}\n",
+    )
     git(tree, "tag", BASE_TAG)
 
 
@@ -93,7 +113,9 @@ def _slug(subject: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:60].rstrip("-")
 
 
-def export_tree(tree: Path, patches_dir: Path = PATCHES_DIR, new_files_dir: Path = NEW_FILES_DIR) -> list[Path]:
+def export_tree(
+    tree: Path, patches_dir: Path = PATCHES_DIR, new_files_dir: Path = NEW_FILES_DIR
+) -> list[Path]:
     """Write the tree's commits after the upstream tag back as patches/ + python/."""
     commits = git(tree, "rev-list", "--reverse", f"{BASE_TAG}..HEAD").split()
     written: list[Path] = []
@@ -105,12 +127,22 @@ def export_tree(tree: Path, patches_dir: Path = PATCHES_DIR, new_files_dir: Path
         body = re.sub(r"^Adds: \S+\n?", "", body, flags=re.M).strip() + "\n"
         changed = [
             line.split("\t")
-            for line in git(tree, "diff-tree", "--no-commit-id", "-r", "--no-renames", "--name-status", commit).splitlines()
+            for line in git(
+                tree,
+                "diff-tree",
+                "--no-commit-id",
+                "-r",
+                "--no-renames",
+                "--name-status",
+                commit,
+            ).splitlines()
         ]
         adds, modified = [], []
         for status, path in changed:
             if not path.startswith(f"{TREE_PACKAGE_DIR}/"):
-                raise PatchError(f"commit {commit[:12]} ({subject}): {path} is outside {TREE_PACKAGE_DIR}/")
+                raise PatchError(
+                    f"commit {commit[:12]} ({subject}): {path} is outside {TREE_PACKAGE_DIR}/"
+                )
             if status == "A":
                 adds.append(path)
                 added_by[path] = subject
@@ -122,11 +154,37 @@ def export_tree(tree: Path, patches_dir: Path = PATCHES_DIR, new_files_dir: Path
             elif status == "M":
                 modified.append(path)
             else:
-                raise PatchError(f"commit {commit[:12]} ({subject}): {status} {path}: patches only change files")
-        diff = git(tree, "diff", "--no-color", "--no-ext-diff", "--no-renames", "--full-index", f"{commit}^", commit, "--", *modified) if modified else ""
+                raise PatchError(
+                    f"commit {commit[:12]} ({subject}): {status} {path}: patches only change files"
+                )
+        diff = (
+            git(
+                tree,
+                "diff",
+                "--no-color",
+                "--no-ext-diff",
+                "--no-renames",
+                "--full-index",
+                f"{commit}^",
+                commit,
+                "--",
+                *modified,
+            )
+            if modified
+            else ""
+        )
         if not diff:
-            raise PatchError(f"commit {commit[:12]} ({subject}) changes no upstream file: move its files into a commit that does")
-        patch = Patch(patches_dir / f"{index:04d}-{_slug(subject)}.patch", author, subject, body, sorted(adds), diff)
+            raise PatchError(
+                f"commit {commit[:12]} ({subject}) changes no upstream file: move its files into a commit that does"
+            )
+        patch = Patch(
+            patches_dir / f"{index:04d}-{_slug(subject)}.patch",
+            author,
+            subject,
+            body,
+            sorted(adds),
+            diff,
+        )
         written.append(patch.path)
         patch.path.write_text(patch.header() + patch.diff)
     for old in patches_dir.glob("*.patch"):
@@ -143,7 +201,9 @@ def export_tree(tree: Path, patches_dir: Path = PATCHES_DIR, new_files_dir: Path
 
 
 def git_show_bytes(tree: Path, spec: str) -> bytes:
-    return subprocess.run(["git", "show", spec], cwd=tree, capture_output=True, check=True).stdout
+    return subprocess.run(
+        ["git", "show", spec], cwd=tree, capture_output=True, check=True
+    ).stdout
 
 
 def rebase_tree(pin: Pin, new_wheel: Path, tree: Path) -> list[tuple[str, str]]:
@@ -164,7 +224,11 @@ def rebase_tree(pin: Pin, new_wheel: Path, tree: Path) -> list[tuple[str, str]]:
         except PatchError as exact_error:
             reason = str(exact_error)
         check = subprocess.run(
-            ["git", "apply", "--check", "-"], cwd=tree, input=patch.diff, capture_output=True, text=True
+            ["git", "apply", "--check", "-"],
+            cwd=tree,
+            input=patch.diff,
+            capture_output=True,
+            text=True,
         )
         if check.returncode == 0:
             git(tree, "apply", "-", input=patch.diff)
@@ -173,15 +237,27 @@ def rebase_tree(pin: Pin, new_wheel: Path, tree: Path) -> list[tuple[str, str]]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(NEW_FILES_DIR.parent / rel, target)
             _commit(tree, patch.author, _commit_message(patch))
-            report.append((patch.name, f"applies with offset or fuzz, refreshed on export ({reason})"))
+            report.append(
+                (
+                    patch.name,
+                    f"applies with offset or fuzz, refreshed on export ({reason})",
+                )
+            )
         else:
-            report.append((patch.name, f"DOES NOT APPLY: {check.stderr.strip() or reason}"))
+            report.append(
+                (patch.name, f"DOES NOT APPLY: {check.stderr.strip() or reason}")
+            )
     return report
 
 
 def _new_file_diff(rel: str, text: str) -> str:
     lines = text.splitlines(keepends=True)
-    out = [f"diff --git a/{rel} b/{rel}\n", "new file mode 100644\n", "--- /dev/null\n", f"+++ b/{rel}\n"]
+    out = [
+        f"diff --git a/{rel} b/{rel}\n",
+        "new file mode 100644\n",
+        "--- /dev/null\n",
+        f"+++ b/{rel}\n",
+    ]
     if lines:
         out.append(f"@@ -0,0 +1{'' if len(lines) == 1 else f',{len(lines)}'} @@\n")
         out += [f"+{line}" for line in lines]
@@ -199,7 +275,8 @@ def export_upstream_diffs(out_dir: Path) -> list[Path]:
     written = []
     for patch in patches:
         diff = patch.diff + "".join(
-            _new_file_diff(rel, (NEW_FILES_DIR.parent / rel).read_text()) for rel in patch.adds
+            _new_file_diff(rel, (NEW_FILES_DIR.parent / rel).read_text())
+            for rel in patch.adds
         )
         path = out_dir / patch.name
         path.write_text(patch.header() + diff)

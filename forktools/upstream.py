@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PIN_FILE = REPO_ROOT / "patches" / "upstream.toml"
 # A wheel file, or a folder holding the pinned wheels, to build from without network access.
 UPSTREAM_WHEEL_ENV = "SGLANG_TP_UPSTREAM_WHEEL"
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang-train-parity"
+CACHE_DIR = (
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    / "sglang-train-parity"
+)
 
 
 class UpstreamError(RuntimeError):
@@ -76,14 +79,20 @@ def sha256_of(path: Path) -> str:
 def verify_wheel(pin: Pin, path: Path) -> Path:
     expected = pin.wheels.get(path.name)
     if expected is None:
-        raise UpstreamError(f"{path.name} is not a pinned wheel; pinned: {', '.join(sorted(pin.wheels))}")
+        raise UpstreamError(
+            f"{path.name} is not a pinned wheel; pinned: {', '.join(sorted(pin.wheels))}"
+        )
     actual = sha256_of(path)
     if actual != expected:
-        raise UpstreamError(f"{path}: sha256 mismatch: expected {expected}, actual {actual}")
+        raise UpstreamError(
+            f"{path}: sha256 mismatch: expected {expected}, actual {actual}"
+        )
     return path
 
 
-def obtain_wheel(pin: Pin, source: str | os.PathLike | None = None, name: str | None = None) -> Path:
+def obtain_wheel(
+    pin: Pin, source: str | os.PathLike | None = None, name: str | None = None
+) -> Path:
     """Return a verified copy of the pinned wheel `name` (default: the running interpreter's).
 
     `source` (or the environment variable SGLANG_TP_UPSTREAM_WHEEL) names a local wheel file or a

@@ -11,7 +11,13 @@ from pathlib import Path
 from wheel.cli.pack import pack
 from wheel.cli.unpack import unpack
 
-from forktools.series import NEW_FILES_DIR, UPSTREAM_PREFIX, apply_patch, new_files, read_series
+from forktools.series import (
+    NEW_FILES_DIR,
+    UPSTREAM_PREFIX,
+    apply_patch,
+    new_files,
+    read_series,
+)
 from forktools.upstream import Pin, load_pin, obtain_wheel
 
 # Zip timestamps of every entry; a fixed value makes two builds from the same inputs byte-identical.
@@ -31,7 +37,9 @@ def prepare_tree(pin: Pin, upstream_wheel: Path, dest: Path) -> Path:
     for rel in new_files(patches):
         target = root / rel[len(UPSTREAM_PREFIX) :]
         if target.exists():
-            raise FileExistsError(f"python/{rel} would replace upstream's {rel}: change it with a patch")
+            raise FileExistsError(
+                f"python/{rel} would replace upstream's {rel}: change it with a patch"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(NEW_FILES_DIR.parent / rel, target)
         os.chmod(target, 0o644)
@@ -45,7 +53,11 @@ def stamp_version(pin: Pin, root: Path) -> Path:
     old.rename(new)
     metadata = new / "METADATA"
     text, count = re.subn(
-        r"^Version: .*$", f"Version: {pin.fork_version}", metadata.read_text(), count=1, flags=re.M
+        r"^Version: .*$",
+        f"Version: {pin.fork_version}",
+        metadata.read_text(),
+        count=1,
+        flags=re.M,
     )
     if count != 1:
         raise ValueError(f"{metadata}: no Version field")
@@ -53,7 +65,9 @@ def stamp_version(pin: Pin, root: Path) -> Path:
     return new
 
 
-def build_wheel(out_dir: Path, upstream_source: str | os.PathLike | None = None) -> Path:
+def build_wheel(
+    out_dir: Path, upstream_source: str | os.PathLike | None = None
+) -> Path:
     """Build the fork's wheel into `out_dir` and return its path."""
     pin = load_pin()
     upstream_wheel = obtain_wheel(pin, upstream_source)
@@ -70,7 +84,9 @@ def build_wheel(out_dir: Path, upstream_source: str | os.PathLike | None = None)
                 del os.environ["SOURCE_DATE_EPOCH"]
             else:
                 os.environ["SOURCE_DATE_EPOCH"] = saved_epoch
-    wheel = out_dir / upstream_wheel.name.replace(f"-{pin.version}-", f"-{pin.fork_version}-", 1)
+    wheel = out_dir / upstream_wheel.name.replace(
+        f"-{pin.version}-", f"-{pin.fork_version}-", 1
+    )
     if not wheel.is_file():
         raise RuntimeError(f"wheel pack wrote no {wheel.name} into {out_dir}")
     return wheel

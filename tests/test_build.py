@@ -74,5 +74,6 @@ def test_offline_build_from_a_folder(pin, upstream_wheel, tmp_path, monkeypatch)
 def test_pin_covers_cpython_311_and_312_on_x86_64(pin):
     for py in ("cp311", "cp312"):
         assert any(
-            f"-{py}-{py}-" in name and name.endswith("x86_64.whl") for name in pin.wheels
+            f"-{py}-{py}-" in name and name.endswith("x86_64.whl")
+            for name in pin.wheels
         ), py

@@ -23,7 +23,13 @@ from forktools.series import (
     read_series,
     upstream_path,
 )
-from forktools.tree import export_tree, export_upstream_diffs, git, open_tree, rebase_tree
+from forktools.tree import (
+    export_tree,
+    export_upstream_diffs,
+    git,
+    open_tree,
+    rebase_tree,
+)
 from tests.conftest import run
 
 
@@ -63,7 +69,9 @@ def test_new_files_are_claimed_once_and_not_upstream(pristine_package):
 
 
 @pytest.mark.parametrize("change", ["offset", "fuzz"])
-def test_patch_that_does_not_apply_exactly_names_patch_and_hunk(pristine_package, tmp_path, change):
+def test_patch_that_does_not_apply_exactly_names_patch_and_hunk(
+    pristine_package, tmp_path, change
+):
     patch = read_series()[0]
     rel, line = _first_hunk_target(patch)
     root = tmp_path / "pkg"
@@ -78,7 +86,9 @@ def test_patch_that_does_not_apply_exactly_names_patch_and_hunk(pristine_package
     before = target.read_text()
     with pytest.raises(PatchError) as e:
         apply_patch(patch, root)
-    assert patch.name in str(e.value) and "hunk #1" in str(e.value) and rel in str(e.value)
+    assert (
+        patch.name in str(e.value) and "hunk #1" in str(e.value) and rel in str(e.value)
+    )
     assert target.read_text() == before  # nothing written
 
 
@@ -131,7 +141,9 @@ def test_open_then_export_round_trips(pin, upstream_wheel, tmp_path):
     export_tree(tree, out / "patches", out / "python")
     for patch in patches:
         assert (out / "patches" / patch.name).read_text() == patch.path.read_text()
-    assert (out / "patches" / "series").read_text() == (PATCHES_DIR / "series").read_text()
+    assert (out / "patches" / "series").read_text() == (
+        PATCHES_DIR / "series"
+    ).read_text()
     cmp = filecmp.dircmp(out / "python", NEW_FILES_DIR, ignore=["__pycache__"])
     assert not (cmp.left_only or cmp.right_only or cmp.diff_files)
 
@@ -146,7 +158,9 @@ def test_edit_in_tree_is_exported_into_its_patch(pin, upstream_wheel, tmp_path):
     out = tmp_path / "export"
     (out / "patches").mkdir(parents=True)
     export_tree(tree, out / "patches", out / "python")
-    assert "+# a maintainer's edit\n" in (out / "patches" / patches[-1].name).read_text()
+    assert (
+        "+# a maintainer's edit\n" in (out / "patches" / patches[-1].name).read_text()
+    )
 
 
 def _newer_upstream(pin, upstream_wheel: Path, tmp_path: Path, edit) -> Path:
@@ -184,5 +198,14 @@ def test_rebase_reports_patches_that_no_longer_apply(pin, upstream_wheel, tmp_pa
 
 
 def test_check_command_passes(upstream_wheel):
-    result = run([sys.executable, "-m", "forktools", "check", "--upstream-wheel", str(upstream_wheel)])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "forktools",
+            "check",
+            "--upstream-wheel",
+            str(upstream_wheel),
+        ]
+    )
     assert "series OK" in result.stdout
