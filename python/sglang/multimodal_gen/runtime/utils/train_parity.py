@@ -31,6 +31,9 @@ LORA_MERGE_MODE = "dynamic"
 REQUEST_QUALITY = "exact"
 # Request options that switch on step caches, which skip or reuse DiT work.
 REQUEST_CACHE_OPTIONS = ("enable_teacache", "enable_cache_dit", "enable_spectrum")
+# Where RoPE frequency tables are built: CPU and GPU `pow`/`polar` differ by
+# ULPs, so the rollout must build them where the trainer does.
+ROPE_TABLE_DEVICES = ("cpu", "device")
 
 
 class TrainParityError(ValueError):
@@ -86,7 +89,16 @@ def _cfg_parallel_is_serial(args: ServerArgs) -> bool:
 
 def validate_server_args(args: ServerArgs) -> None:
     """Reject every option that cannot be bitwise under train_parity."""
+    if args.train_parity_rope_tables not in ROPE_TABLE_DEVICES:
+        raise ValueError(
+            f"train_parity_rope_tables must be one of {ROPE_TABLE_DEVICES}, "
+            f"got {args.train_parity_rope_tables!r}"
+        )
     if args.numerics != NUMERICS_TRAIN_PARITY:
+        if args.is_arg_explicitly_set("train_parity_rope_tables"):
+            raise ValueError(
+                "--train-parity-rope-tables applies only with --numerics train_parity"
+            )
         return
     if args.backend == "diffusers":
         _reject(

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The training forward's arithmetic, op by op, for ``--numerics train_parity``.
+
+The training forward is diffusers + PEFT LoRA with bf16 parameters under
+``torch.autocast("cuda", dtype=torch.bfloat16)``. Under that autocast,
+``layer_norm``, ``pow``, ``rsqrt`` and ``norm`` run in fp32, GEMMs and SDPA
+in bf16, and every other op in its inputs' dtype. sglang runs the DiT without
+autocast, so each function below spells out those dtypes explicitly and
+rounds exactly where the training forward rounds. The ``forward_train_parity``
+methods of the layers call these, so each rule of the contract lives here once
+(docs/numerics-contract.md of sglang-train-parity explains them).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sglang.multimodal_gen.runtime.layers.rotary_embedding.utils import (
+    _apply_rotary_emb_complex,
+)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """diffusers ``RMSNorm``: fp32 statistics, the normalized value rounded to
+    a half-precision weight's dtype *before* the weight multiply."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    normed = x * torch.rsqrt(variance + eps)
+    if weight is None:
+        return normed.to(x.dtype)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        normed = normed.to(weight.dtype)
+    return normed * weight
+
+
+def as_modulation(t: torch.Tensor) -> torch.Tensor:
+    """[B, D] shift/scale/gate broadcast over the sequence as [B, 1, D]."""
+    return t.unsqueeze(1) if t.dim() == 2 else t
+
+
+def layer_norm_scale_shift(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``nn.LayerNorm`` under CUDA autocast (fp32 out), then diffusers'
+    ``x * (1 + scale) + shift``: ``1 + scale`` in the modulation's dtype, the
+    product and the sum in fp32. Rounded once to ``x``'s dtype, which is what
+    autocast does where the training forward feeds the result to a Linear."""
+    normed = F.layer_norm(
+        x.float(),
+        x.shape[-1:],
+        None if weight is None else weight.float(),
+        None if bias is None else bias.float(),
+        eps,
+    )
+    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
+    return modulated.to(x.dtype)
+
+
+def gated_residual(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """diffusers' ``residual + gate * x``: the product and the sum each rounded
+    in the activation dtype."""
+    return residual + as_modulation(gate) * x
+
+
+def rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers ``apply_rotary_emb_qwen(use_real=False)``: interleaved pairs of
+    ``x`` [B, S, H, D] as complex64 times the complex table ``freqs``
+    [S, D / 2], rounded back to ``x``'s dtype."""
+    return _apply_rotary_emb_complex(x, freqs.unsqueeze(1))
+
+
+def joint_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """diffusers' native SDPA call on [B, S, H, D] tensors. ``attn_mask`` is
+    a [B, S] bool mask of valid tokens; pass None when every token is valid.
+    Without a mask on CUDA the flash kernel is pinned, as diffusers'
+    ``_native_flash`` backend does."""
+    if attn_mask is not None:
+        attn_mask = attn_mask[:, None, None, :]
+    pin_flash = attn_mask is None and query.is_cuda
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if pin_flash else nullcontext():
+        out = F.scaled_dot_product_attention(
+            query.permute(0, 2, 1, 3),
+            key.permute(0, 2, 1, 3),
+            value.permute(0, 2, 1, 3),
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=False,
+        )
+    return out.permute(0, 2, 1, 3)
+
+
+def lora_delta(
+    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """PEFT ``lora.Linear``'s unmerged update ``lora_B(lora_A(x)) * scaling``,
+    with the input cast to the adapter's dtype; the caller adds it to the base
+    layer's output (bias included) in the activation dtype."""
+    x = x.to(lora_A.dtype)
+    return F.linear(F.linear(x, lora_A), lora_B) * scaling
+
+
+def cfg_norm_rescale(combined: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
+    """The true-CFG rescale ``combined * (|conditional| / |combined|)`` per token,
+    run inside the trainer's autocast: ``torch.norm`` is an fp32 op there, so the
+    norms and the result are fp32. The clamp guards an all-zero prediction."""
+    cond_norm = torch.norm(conditional.float(), dim=-1, keepdim=True)
+    noise_norm = torch.norm(combined.float(), dim=-1, keepdim=True).clamp_min(1e-12)
+    return combined * (cond_norm / noise_norm)
