@@ -12,14 +12,13 @@ import os
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import itertools  # noqa: E402
-from functools import partial  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
+from functools import partial  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_qwenimage import (  # noqa: E402
@@ -111,23 +110,30 @@ def ulp_distance(actual: torch.Tensor, expected: torch.Tensor) -> int:
     return int((bits(actual) - bits(expected)).abs().max())
 
 
-def bitwise_equal(actual, expected) -> bool:
-    pairs = zip(*(x if isinstance(x, tuple) else (x,) for x in (actual, expected)))
-    return all(
-        a.dtype == e.dtype and a.shape == e.shape and torch.equal(bits(a), bits(e))
-        for a, e in pairs
-    )
+def as_tuple(outputs) -> tuple[torch.Tensor, ...]:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def mismatches(actual, expected) -> list[str]:
+    """How two (tuples of) outputs differ bit for bit; empty when they do not."""
+    problems = []
+    pairs = zip(as_tuple(actual), as_tuple(expected), strict=True)
+    for i, (a, e) in enumerate(pairs):
+        if (a.dtype, a.shape) != (e.dtype, e.shape):
+            problems.append(
+                f"output {i}: {a.dtype} {tuple(a.shape)} vs {e.dtype} {tuple(e.shape)}"
+            )
+        elif not torch.equal(bits(a), bits(e)):
+            differ = int((bits(a) != bits(e)).sum())
+            problems.append(
+                f"output {i} {tuple(a.shape)}: {ulp_distance(a, e)} ULP, {differ} elements differ"
+            )
+    return problems
 
 
 def assert_bitwise(actual, expected) -> None:
-    actual, expected = (x if isinstance(x, tuple) else (x,) for x in (actual, expected))
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        assert (a.dtype, a.shape) == (e.dtype, e.shape), f"output {i}"
-        assert torch.equal(bits(a), bits(e)), (
-            f"output {i} {tuple(a.shape)}: {ulp_distance(a, e)} ULP, "
-            f"{int((bits(a) != bits(e)).sum())} elements differ"
-        )
+    problems = mismatches(actual, expected)
+    assert not problems, "; ".join(problems)
 
 
 def make_op(cls: type, numerics: str, *args, **kwargs) -> nn.Module:
@@ -169,7 +175,8 @@ def modulation(mod_params: torch.Tensor, dims: int) -> list[torch.Tensor]:
 def rms_norm_case(numerics, batch, seq, layout, feature_shape):
     width = feature_shape[-1]
     x = arrange(rand(batch, seq, *feature_shape), layout)
-    weight = 1 + rand(width, scale=0.1)  # not ones: the weight multiply must round where diffusers does
+    # Not ones: the weight multiply must round where diffusers rounds it.
+    weight = 1 + rand(width, scale=0.1)
     op = make_op(RMSNorm, numerics, width, eps=EPS).to(BF16)
     diffusers_norm = DiffusersRMSNorm(width, eps=EPS).to(BF16)
     for norm in (op, diffusers_norm):
@@ -205,7 +212,9 @@ def scale_residual_case(numerics, batch, seq, layout, mod_dims, unit_gate):
         # diffusers' block: `hidden_states + gate * attn_output` with _modulate's [B, 1, D] gate.
         _, block_gate = diffusers_modulate(x, mod_params)
         residual_out = residual + x if unit_gate else residual + block_gate * x
-        modulated, _ = diffusers_modulate(diffusers_layer_norm(residual_out), mod_params)
+        modulated, _ = diffusers_modulate(
+            diffusers_layer_norm(residual_out), mod_params
+        )
     return actual, (modulated.to(BF16), residual_out)
 
 
@@ -228,12 +237,19 @@ def select01_case(numerics, batch, seq, layout, with_residual):
     """zero_cond_t: per sample, tokens before a boundary take modulation 0, the rest 1."""
     x = arrange(rand(batch, seq, HIDDEN), layout)
     mod_params = rand(2 * batch, 3 * HIDDEN, scale=0.5)
-    index = torch.stack([(torch.arange(seq) >= seq // 2 + b).int() for b in range(batch)])
+    index = torch.stack(
+        [(torch.arange(seq) >= seq // 2 + b).int() for b in range(batch)]
+    )
     shift, scale, gate = mod_params.chunk(3, dim=-1)
-    selectable = [t[half] for half in (slice(batch), slice(batch, None)) for t in (scale, shift, gate)]
+    selectable = [
+        t[half]
+        for half in (slice(batch), slice(batch, None))
+        for t in (scale, shift, gate)
+    ]
     if with_residual:
         residual = arrange(rand(batch, seq, HIDDEN), layout)
-        residual_gate = rand(batch, seq, HIDDEN, scale=0.5)  # a previous select's per-token gate
+        # A previous select's per-token [B, L, D] gate.
+        residual_gate = rand(batch, seq, HIDDEN, scale=0.5)
         op = make_op(FusedResidualLayerNormScaleShiftGateSelect01, numerics)
         inputs = (x, residual, residual_gate)
     else:
@@ -246,11 +262,9 @@ def select01_case(numerics, batch, seq, layout, with_residual):
         modulated, gate_out = diffusers_modulate(
             diffusers_layer_norm(normed_input), mod_params, index
         )
-    expected = (modulated.to(BF16), normed_input, gate_out) if with_residual else (
-        modulated.to(BF16),
-        gate_out,
-    )
-    return actual, expected
+    if with_residual:
+        return actual, (modulated.to(BF16), normed_input, gate_out)
+    return actual, (modulated.to(BF16), gate_out)
 
 
 NORM_CASES = {
@@ -276,7 +290,7 @@ def test_norm_op_matches_diffusers(case, batch, seq, layout):
 @pytest.mark.parametrize("case", NORM_CASES)
 def test_default_mode_norm_op_differs(case):
     """The control: upstream's CPU forward of the same op misses diffusers' bits somewhere."""
-    assert not all(bitwise_equal(*NORM_CASES[case](DEFAULT, *point)) for point in GRID)
+    assert any(mismatches(*NORM_CASES[case](DEFAULT, *point)) for point in GRID)
 
 
 def test_rms_norm_weight_before_rounding_differs():
@@ -288,8 +302,8 @@ def test_rms_norm_weight_before_rounding_differs():
     with reference():
         expected = diffusers_norm(x)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
-    assert not bitwise_equal((normed * weight).to(BF16), expected)
-    assert bitwise_equal(normed.to(BF16) * weight, expected)
+    assert mismatches((normed * weight).to(BF16), expected)
+    assert not mismatches(normed.to(BF16) * weight, expected)
 
 
 # ------------------------------------------------------------ RoPE, attention, CFG rescale
@@ -299,7 +313,8 @@ def test_rms_norm_weight_before_rounding_differs():
 def test_rotary_emb_matches_diffusers(batch, seq, layout):
     x = arrange(rand(batch, seq, HEADS, HEAD_DIM), layout)
     angles = torch.randn(seq, HEAD_DIM // 2) * 10
-    freqs = torch.polar(torch.ones_like(angles), angles)  # complex64, as QwenEmbedRope builds them
+    # complex64 [S, D / 2], as QwenEmbedRope builds its tables.
+    freqs = torch.polar(torch.ones_like(angles), angles)
     actual = train_parity_ops.rotary_emb(x, freqs)
     with reference():
         expected = apply_rotary_emb_qwen(x, freqs, use_real=False)
@@ -377,20 +392,25 @@ def test_lora_matches_peft(tp1, kind, scaling, point):
     assert_bitwise(actual, expected)
 
 
-@pytest.mark.parametrize("merge_weights", [False, True], ids=["default-unmerged", "merged"])
+@pytest.mark.parametrize(
+    "merge_weights", [False, True], ids=["default-unmerged", "merged"]
+)
 @pytest.mark.parametrize("kind", LORA_KINDS)
 def test_default_or_merged_lora_differs(tp1, kind, merge_weights):
     """The control: upstream's fp32 delta, or the update merged into the bf16 weight, misses
     PEFT's bits at a scale that is not a power of two."""
     layer, actual, expected = lora_case(kind, "0.3", DEFAULT, merge_weights)
     assert not layer.train_parity
-    assert not bitwise_equal(actual, expected)
+    assert mismatches(actual, expected)
 
 
 LORA_REJECTIONS = {
     "merge": ({"merge_weights": True}, r"merged weights"),
     "strength": ({"strength": 0.5}, r"strength 0\.5"),
-    "output_offset": ({"output_offset": torch.zeros(OUT_FEATURES)}, r"an output offset"),
+    "output_offset": (
+        {"output_offset": torch.zeros(OUT_FEATURES)},
+        r"an output offset",
+    ),
     "stacked_3d": (
         {
             "A": torch.zeros(2, 4, IN_FEATURES),
@@ -423,7 +443,9 @@ def test_lora_rejects_what_peft_does_not_run(tp1, rejection):
 def test_lora_rejects_runtime_scale_at_forward(tp1, kind):
     layer = sglang_lora_layer(kind, LoraMasters.random(4, 8), TRAIN_PARITY)
     request = SimpleNamespace(runtime_lora_scale=0.5)
-    with set_forward_context(current_timestep=0, attn_metadata=None, forward_batch=request):
+    with set_forward_context(
+        current_timestep=0, attn_metadata=None, forward_batch=request
+    ):
         with pytest.raises(ValueError, match="scale 1"):
             run_layer(layer, rand(1, 7, IN_FEATURES))
 
@@ -443,5 +465,11 @@ def test_peft_config_rejects_what_train_parity_does_not_run(setting, problem):
 
 def test_peft_config_accepts_plain_lora():
     _check_train_parity_peft_config(
-        {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False, "use_dora": False}
+        {
+            "r": 4,
+            "lora_alpha": 8,
+            "lora_dropout": 0.0,
+            "use_rslora": False,
+            "use_dora": False,
+        }
     )

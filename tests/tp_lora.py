@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-# Before torch is imported anywhere in this process: upstream wraps several CPU forwards in
-# torch.compile, which would need a C++ toolchain and minutes per shape.
+# Before torch._dynamo reads it (spawned TP workers inherit it): upstream wraps several CPU
+# forwards in torch.compile, which would need a C++ toolchain and minutes per shape.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import socket  # noqa: E402
@@ -102,7 +102,8 @@ def sglang_lora_layer(
     kind: str, masters: LoraMasters, numerics: str, merge_weights: bool = False
 ) -> nn.Module:
     """`kind` ("column", "row", "replicated", "nn.Linear") with bf16 base weights, wrapped for
-    LoRA in `numerics` mode, holding the fp32 masters as its adapter (as a weight sync sends them)."""
+    LoRA in `numerics` mode, holding the fp32 masters as its adapter (as a weight sync sends them).
+    """
     from sglang.multimodal_gen.runtime.layers.lora.linear import wrap_with_lora_layer
     from sglang.multimodal_gen.runtime.utils.numerics_mode import numerics_mode_context
 
@@ -151,19 +152,26 @@ def peft_lora_linear(masters: LoraMasters) -> nn.Module:
     return model.to(BF16).eval()
 
 
-def tp_worker(rank: int, tp_size: int, port: int, inputs_path: Path) -> None:
-    """One rank of a TP group: build the LoRA-wrapped Column and Row layers under train_parity from
-    the saved masters and save their outputs to `inputs_path`'s folder as `rank{rank}.pt`.
+def tp_worker(
+    rank: int,
+    tp_size: int,
+    port: int,
+    masters: LoraMasters,
+    x: torch.Tensor,
+    out_dir: Path,
+) -> None:
+    """One rank of a TP group: build the LoRA-wrapped Column and Row layers under train_parity
+    and save their outputs on `x` to `out_dir/rank{rank}.pt`.
 
     Column keeps its output shard (gather_output=False) and Row takes its input shard
-    (input_is_parallel=True), as the DiT's MLP uses them; Row's output is all-reduced."""
+    (input_is_parallel=True); Row's output is all-reduced over the group.
+    """
     from sglang.multimodal_gen.runtime.distributed import get_tp_world_size
 
     init_parallel(tp_size, rank, port)
-    inputs = torch.load(inputs_path)
     outputs = {"tp_world_size": get_tp_world_size()}
-    for kind, x in (("column", inputs["x"]), ("row", inputs["x"].chunk(tp_size, -1)[rank])):
-        layer = sglang_lora_layer(kind, inputs["masters"], "train_parity")
+    for kind, layer_input in (("column", x), ("row", x.chunk(tp_size, -1)[rank])):
+        layer = sglang_lora_layer(kind, masters, "train_parity")
         outputs[f"{kind}_train_parity"] = layer.train_parity
-        outputs[kind] = run_layer(layer, x)
-    torch.save(outputs, inputs_path.parent / f"rank{rank}.pt")
+        outputs[kind] = run_layer(layer, layer_input)
+    torch.save(outputs, out_dir / f"rank{rank}.pt")
