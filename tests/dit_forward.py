@@ -31,14 +31,14 @@ def _single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(
+    # assigned, not defaulted: a parent process's MASTER_PORT is its own store's
+    os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
-    ).items():
-        os.environ.setdefault(key, value)
+    )
 
 
 def load_dit(model_dir: Path, numerics: str | None):

@@ -1,0 +1,486 @@
+"""Shared plumbing for benchmark/gpu_parity.py and benchmark/speed.py.
+
+* process setup (stand-ins for `sgl_kernel` / `IPython`, single-process distributed env, JIT policy);
+* a Qwen-Image model folder with random weights (diffusers format), and the fork's DiT loaded from it
+  through sglang's real transformer loader (`PipelineComponentLoader` + `TransformerLoader`);
+* LoRA into the fork the way the post-training weight updater puts it there;
+* the "closest default path that runs here" harness for `numerics="default"` (see `DefaultPathHarness`);
+* versions of everything that matters.
+
+Import this module before torch is used: `setup()` sets environment variables that torch / sglang read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmark import gpu_standins  # noqa: E402
+
+# Real Qwen-Image DiT widths (diffusers config of Qwen/Qwen-Image), num_layers set per run.
+REAL_CONFIG = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    axes_dims_rope=(16, 56, 56),
+)
+# CPU dry runs: the same structure, small widths (head_dim stays 128: the RoPE axes need it).
+TINY_CONFIG = dict(REAL_CONFIG, num_layers=2, num_attention_heads=2, joint_attention_dim=64)
+
+MODEL_INDEX = {
+    "_class_name": "QwenImagePipeline",
+    "_diffusers_version": "0.42.1",
+    "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+    "tokenizer": ["transformers", "Qwen2Tokenizer"],
+}
+# Upstream's default quality tier for a request (pipelines_core/stages/denoising.py mounts its
+# fusions per batch); a direct DiT call gets whatever is mounted, so the harness mounts it.
+DEFAULT_REQUEST_QUALITY = "lossless"
+
+
+def setup(device: str, jit: str = "off") -> None:
+    """Process setup; call before importing sglang.
+
+    device "cuda": stand-ins for the two packages the H200 image lacks (calls fail loudly).
+    device "cpu": the three CPU sgl_kernel ops upstream's default CPU norm path calls, as the CPU tests
+    register them (tests/cpu_kernel_standins.py), and torch.compile off (as the CPU tests run).
+    jit "off": sglang's nvcc-at-first-use JIT kernels are not built (SGLANG_CRASH_ON_JIT_COMPILE=1:
+    a load raises, upstream's can_use_* predicates then pick their unfused branch).
+    """
+    from tests.dit_forward import _single_process_env
+
+    gpu_standins.install()
+    if jit == "off":
+        os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] = "1"
+    if device == "cpu":
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
+        from tests.cpu_kernel_standins import register_cpu_kernel_standins
+
+        register_cpu_kernel_standins()
+    else:
+        # upstream compiles several default-path forwards; leave torch.compile as upstream runs it
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "0")
+    _single_process_env()
+
+
+# ----------------------------------------------------------------------------------------------
+# model folder with random weights
+# ----------------------------------------------------------------------------------------------
+
+
+def randomize_(model, seed: int, device) -> None:
+    """Every parameter random, at a realistic scale: Linear weights N(0, 1/fan_in), biases
+    N(0, 0.02), norm weights U(0.8, 1.2) (default init zeroes some tensors, which hides paths)."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and "norm" in name:
+                param.uniform_(0.8, 1.2, generator=generator)
+            elif name.endswith("weight") and param.dim() == 2:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def write_model_dir(root: Path, config: dict, seed: int, device: str) -> Path:
+    """A Qwen-Image model folder (sglang detects the family from the name and model_index.json)
+    whose transformer is a random diffusers `QwenImageTransformer2DModel` saved in bf16."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    root.mkdir(parents=True, exist_ok=True)
+    with torch.device(device):
+        model = QwenImageTransformer2DModel(**config)
+    randomize_(model, seed, device)
+    model.to(device="cpu", dtype=torch.bfloat16).save_pretrained(root / "transformer")
+    del model
+    (root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=1))
+    for component in ("scheduler", "vae", "text_encoder", "tokenizer"):
+        (root / component).mkdir(exist_ok=True)
+    return root
+
+
+def write_config_only_model_dir(root: Path, config: dict) -> Path:
+    """A model folder whose transformer has the config and one tiny safetensors file, for loading
+    through the real loader with generated weights (`random_weights_iterator`)."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**config)
+    model.save_config(root / "transformer")
+    save_file(
+        {"proj_out.bias": torch.zeros(model.proj_out.bias.shape, dtype=torch.bfloat16)},
+        str(root / "transformer" / "diffusion_pytorch_model.safetensors"),
+    )
+    (root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=1))
+    for component in ("scheduler", "vae", "text_encoder", "tokenizer"):
+        (root / component).mkdir(exist_ok=True)
+    return root
+
+
+def random_weights_iterator(config: dict, seed: int, device) -> Iterator[tuple[str, Any]]:
+    """(diffusers name, bf16 tensor) for every parameter of the diffusers model `config`
+    describes, generated on `device` one at a time, at `randomize_`'s scales."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device("meta"):
+        reference = QwenImageTransformer2DModel(**config)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in reference.named_parameters():
+        t = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
+        if name.endswith("weight") and "norm" in name:
+            t.uniform_(0.8, 1.2, generator=generator)
+        elif name.endswith("weight") and param.dim() == 2:
+            t.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
+        else:
+            t.normal_(0.0, 0.02, generator=generator)
+        yield name, t
+
+
+# ----------------------------------------------------------------------------------------------
+# the fork's DiT through sglang's real loader
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def generated_weights(config: dict, seed: int, device):
+    """Inside: the transformer loader reads its weights from `random_weights_iterator` instead of
+    the folder's safetensors (the loader's own `weights_iterator` argument; everything else,
+    construction, name mapping, post-load processing, is the loader's)."""
+    from sglang.multimodal_gen.runtime.loader.component_loaders.transformer_loader import (
+        TransformerLoader,
+    )
+
+    original = TransformerLoader.load_state_dict_model
+
+    def load_state_dict_model(self, *args, **kwargs):
+        if kwargs.get("weights_iterator") is None:
+            kwargs["weights_iterator"] = random_weights_iterator(config, seed, device)
+        return original(self, *args, **kwargs)
+
+    TransformerLoader.load_state_dict_model = load_state_dict_model
+    try:
+        yield
+    finally:
+        TransformerLoader.load_state_dict_model = original
+
+
+def load_fork_dit(model_dir: Path, **server_kwargs):
+    """The fork's DiT, loaded as tests/dit_forward.py loads it, with extra ServerArgs (numerics,
+    train_parity_rope_tables, attention_backend); the DiT stays resident on the device."""
+    import torch
+    from sglang.multimodal_gen.runtime.distributed.parallel_state import (
+        maybe_init_distributed_environment_and_model_parallel,
+    )
+    from sglang.multimodal_gen.runtime.loader.component_loaders.component_loader import (
+        PipelineComponentLoader,
+    )
+    from sglang.multimodal_gen.runtime.loader.component_loaders.transformer_loader import (
+        TransformerLoader,
+    )
+    from sglang.multimodal_gen.runtime.server_args import (
+        ServerArgs,
+        set_global_server_args,
+    )
+
+    server_args = ServerArgs.from_kwargs(
+        model_path=str(model_dir),
+        num_gpus=1,
+        dit_cpu_offload=False,
+        text_encoder_cpu_offload=False,
+        **server_kwargs,
+    )
+    set_global_server_args(server_args)
+    maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
+    loaded = PipelineComponentLoader.load_component(
+        component_name="transformer",
+        component_model_path=str(model_dir / "transformer"),
+        transformers_or_diffusers="diffusers",
+        server_args=server_args,
+        loader_cls=TransformerLoader,
+    )
+    model = (loaded[0] if isinstance(loaded, tuple) else loaded).eval()
+    devices = {p.device.type for p in model.parameters()}
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    if devices != {expected}:
+        raise RuntimeError(f"DiT parameters on {devices}, expected all on {expected}")
+    return model, server_args
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA
+# ----------------------------------------------------------------------------------------------
+
+
+def push_lora_any(model, state: dict, rank: int, alpha: float, merge: bool, dtype=None) -> int:
+    """The weight updater's IPC path (post_training/weights_updater.py): plain targets get their
+    pair; sections of a fused layer (default numerics packs add_q/k/v_proj into `to_added_qkv`)
+    are stacked with `stack_or_compose_fused_lora`. Returns the number of layers set."""
+    from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import (
+        stack_or_compose_fused_lora,
+    )
+
+    fused: dict[str, dict[int, tuple]] = {}
+    count = 0
+    sections = {"add_q_proj": 0, "add_k_proj": 1, "add_v_proj": 2}
+    for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
+        prefix = key.removesuffix(".lora_A.weight")
+        a, b = state[key], state[f"{prefix}.lora_B.weight"]
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        try:
+            layer = model.get_submodule(prefix)
+        except AttributeError:
+            parent, _, leaf = prefix.rpartition(".")
+            if leaf not in sections:
+                raise
+            fused.setdefault(f"{parent}.to_added_qkv", {})[sections[leaf]] = (a, b)
+            continue
+        layer.lora_rank, layer.lora_alpha = rank, alpha
+        layer.set_lora_weights(a, b, merge_weights=merge, clear_existing=True)
+        count += 1
+    for name, parts in fused.items():
+        layer = model.get_submodule(name)
+        idx = sorted(parts)
+        a, b, fused_alpha = stack_or_compose_fused_lora(
+            [parts[i][0] for i in idx], [parts[i][1] for i in idx], alpha
+        )
+        if fused_alpha is not None:
+            layer.lora_rank = layer.lora_alpha = fused_alpha
+        else:
+            layer.lora_rank, layer.lora_alpha = int(a.shape[-2]), alpha
+        layer.set_lora_weights(a, b, merge_weights=merge, clear_existing=True)
+        count += len(parts)
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
+# numerics="default": the closest default path that runs here
+# ----------------------------------------------------------------------------------------------
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """A kernel that is not installed here (stand-in call, missing package, JIT build forbidden),
+    anywhere in the exception chain (torch.compile wraps exceptions)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if (
+            isinstance(exc, (gpu_standins.StandInCalled, ImportError))
+            or "stand-in " in text
+            or "SGLANG_CRASH_ON_JIT_COMPILE" in text
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _summary(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+
+
+class DefaultPathHarness:
+    """Runs upstream's default-numerics DiT with every op whose kernel is not installed here
+    replaced by the closest upstream path, and records each replacement.
+
+    * CustomOp layers (norms, modulation, MulAdd, RoPE, ...): the forward chosen at construction
+      (`forward_cuda`) runs; if it fails *because a kernel is unavailable* (a stand-in was called,
+      an import failed, a JIT build was refused) the layer switches permanently to upstream's
+      `forward_native` (torch.compile'd upstream where upstream compiles it) and the switch is
+      logged. Any other exception propagates.
+    * `try_fused_*` helpers of the Qwen DiT module: on the same condition they return None, which
+      is their documented "not supported here" answer (the caller keeps its unfused path).
+    * quality: the request default tier (`lossless`) is mounted as the denoising stage would.
+    * JIT kernels: with jit=off the build is refused and upstream's can_use_* predicates already
+      pick their unfused branch; the harness only records that the policy was on.
+    """
+
+    def __init__(self) -> None:
+        self.fallbacks: dict[tuple[str, str, str], dict] = {}
+
+    def _log(self, op: str, method: str, exc: BaseException, module: str, fallback: str):
+        key = (op, method, _summary(exc))
+        entry = self.fallbacks.setdefault(
+            key,
+            {
+                "op": op,
+                "method": method,
+                "error": key[2],
+                "fallback": fallback,
+                "instances": 0,
+                "first_module": module,
+            },
+        )
+        entry["instances"] += 1
+
+    def install(self, model, qwen_module) -> None:
+        from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
+
+        for name, module in model.named_modules():
+            if isinstance(module, CustomOp):
+                self._wrap_op(name, module)
+        for attr in dir(qwen_module):
+            if attr.startswith("try_fused") and callable(getattr(qwen_module, attr)):
+                setattr(qwen_module, attr, self._wrap_try(attr, getattr(qwen_module, attr)))
+
+    def _wrap_op(self, name: str, module) -> None:
+        original = module._forward_method
+        method = getattr(original, "__name__", str(original))
+        if method in ("forward_train_parity", "forward_native"):
+            return
+        state = {"native": False}
+        harness = self
+
+        def forward(*args, **kwargs):
+            if state["native"]:
+                return module.forward_native(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless a kernel is missing
+                if not _unavailable(exc):
+                    raise
+                harness._log(type(module).__name__, method, exc, name, "forward_native")
+                state["native"] = True
+                return module.forward_native(*args, **kwargs)
+
+        forward.__name__ = f"{method}|fallback_native"
+        module._forward_method = forward
+
+    def _wrap_try(self, attr: str, fn):
+        harness = self
+
+        def wrapped(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                if not _unavailable(exc):
+                    raise
+                harness._log(attr, attr, exc, "", "None (caller's unfused path)")
+                return None
+
+        wrapped.__name__ = attr
+        return wrapped
+
+    def report(self) -> list[dict]:
+        return list(self.fallbacks.values())
+
+
+def mount_default_quality(model, quality: str = DEFAULT_REQUEST_QUALITY) -> None:
+    from sglang.multimodal_gen.runtime.pipelines_core.stages.denoising import (
+        toggle_quality_fusions,
+    )
+
+    toggle_quality_fusions([model], quality)
+
+
+def probe_default_attention(device: str) -> dict:
+    """What upstream's default attention backend on this GPU (FA, sgl_kernel's FA3) does here."""
+    import torch
+
+    result: dict[str, Any] = {"backend": "FA (flash_attn_varlen_func, FA3 via sgl_kernel)"}
+    if device != "cuda":
+        result["probe"] = "skipped (cpu)"
+        return result
+    try:
+        from sglang.kernels.ops.attention.flash_attention import flash_attn_varlen_func
+
+        q = torch.randn(16, 2, 128, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 16], device="cuda", dtype=torch.int32)
+        flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
+        result["probe"] = "ran"
+    except Exception as exc:  # noqa: BLE001
+        result["probe"] = _summary(exc)
+        result["unavailable"] = _unavailable(exc)
+    return result
+
+
+def dispatch_table(model) -> dict[str, int]:
+    """CustomOp class.forward method -> instance count, as constructed."""
+    from collections import Counter
+
+    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
+
+    counts: Counter = Counter()
+    for _, module in model.named_modules():
+        if isinstance(module, CustomOp):
+            method = getattr(module._forward_method, "__name__", "?")
+            counts[f"{type(module).__name__}.{method}"] += 1
+    return dict(sorted(counts.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# versions
+# ----------------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "SGLANG_CRASH_ON_JIT_COMPILE": os.environ.get("SGLANG_CRASH_ON_JIT_COMPILE"),
+        "TORCH_COMPILE_DISABLE": os.environ.get("TORCH_COMPILE_DISABLE"),
+    }
+    for dist in ("sglang", "diffusers", "peft", "transformers", "triton", "apache-tvm-ffi"):
+        try:
+            info[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            info[dist] = None
+    try:
+        import sglang
+
+        info["sglang_file"] = sglang.__file__
+    except Exception:  # noqa: BLE001
+        pass
+    if torch.cuda.is_available():
+        try:
+            import subprocess
+
+            info["driver"] = subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True
+            ).strip()
+        except Exception:  # noqa: BLE001
+            pass
+    info["standin_modules"] = gpu_standins.modules_created()
+    return info
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def format_exc() -> str:
+    return traceback.format_exc()[-4000:]
