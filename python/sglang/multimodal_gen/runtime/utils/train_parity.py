@@ -11,7 +11,7 @@ conflicting value is an error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sglang.multimodal_gen import envs
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
@@ -159,8 +159,44 @@ def validate_server_args(args: ServerArgs) -> None:
         )
 
 
+def _request_option_conflicts(params: Any) -> Iterator[tuple[str, str]]:
+    """(option, why) for each request option that changes what the DiT or the
+    CFG combine computes, relative to the training forward."""
+    backend = params.attention_backend_override
+    if backend is not None and backend.lower() != ATTENTION_BACKEND:
+        yield (
+            f"attention_backend_override={backend!r}",
+            f"the DiT must use {ATTENTION_BACKEND}",
+        )
+    if params.skip_softmax_params is not None:
+        yield "skip_softmax_params", "sparse attention skips softmax terms"
+    if params.guidance_rescale:
+        yield (
+            f"guidance_rescale={params.guidance_rescale}",
+            "the trainer's CFG has no std rescale",
+        )
+    if params.cfg_normalization and float(params.cfg_normalization) > 0:
+        yield (
+            f"cfg_normalization={params.cfg_normalization}",
+            "the trainer's CFG has no norm clipping",
+        )
+    # None follows the server's default, which may be set by environment.
+    gate = params.cfg_gate_step
+    if gate is None:
+        gate = envs.SGLANG_DIFFUSION_CFG_GATE_STEP
+    if gate < 1.0:
+        yield (
+            f"cfg_gate_step={gate}",
+            "CFG gating reuses earlier steps' unconditional prediction",
+        )
+    for option in REQUEST_CACHE_OPTIONS:
+        if getattr(params, option, False):
+            yield option, "step caches skip or reuse DiT computation"
+
+
 def adjust_sampling_params(params: Any, server_args: ServerArgs) -> None:
-    """Per request: force the exact quality tier, reject step caches."""
+    """Per request: force the exact quality tier; reject options that change
+    the DiT forward or the CFG combine (see `_request_option_conflicts`)."""
     if getattr(server_args, "numerics", None) != NUMERICS_TRAIN_PARITY:
         return
     explicit = getattr(params, "_explicit_fields", set())
@@ -171,9 +207,5 @@ def adjust_sampling_params(params: Any, server_args: ServerArgs) -> None:
             f"--numerics train_parity serves only quality={REQUEST_QUALITY!r}, "
             f"the request asks for quality={params.quality!r}"
         )
-    for option in REQUEST_CACHE_OPTIONS:
-        if getattr(params, option, False):
-            raise TrainParityError(
-                f"--numerics train_parity does not support {option}: step "
-                "caches skip or reuse DiT computation"
-            )
+    for option, why in _request_option_conflicts(params):
+        _reject(option, why)

@@ -1,0 +1,600 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`sglang parity-check`: the sglang DiT against the training forward (diffusers + PEFT under
+CUDA bf16 autocast), module by module, on the same inputs and weights.
+
+Every combination of the chosen batch sizes, text lengths, image sizes and timesteps is one case.
+Per case, every module output of both sides is recorded and the pairs compared (dtype, shape,
+bitwise equal, max |diff|, max ULP). The report: a terminal table, report.json, and ulp.png (max
+ULP distance per module in execution order, first divergence marked). Exit status 1 when any pair
+differs, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from sglang.multimodal_gen.runtime.utils.numerics_mode import NUMERICS_MODES
+from sglang.multimodal_gen.runtime.utils.train_parity import ROPE_TABLE_DEVICES
+from sglang.multimodal_gen.train_parity.compare import compare_modules, first_divergence
+from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels
+from sglang.multimodal_gen.train_parity.reference import (
+    QwenDiTInputs,
+    build_reference,
+    random_lora_state,
+    reference_forward,
+)
+from sglang.multimodal_gen.train_parity.sglang_dit import (
+    load_dit,
+    push_lora,
+    sglang_forward,
+    wrap_linears_for_lora,
+)
+from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+
+# Module pairing per DiT family, keyed by the diffusers transformer class named in
+# transformer/config.json: it maps sglang's module outputs to diffusers' (name map, layout
+# fix-ups) and compares them. A new family registers its pairing here; the reference model,
+# the inputs and the sglang forward are Qwen-Image's so far.
+PAIRINGS = {"QwenImageTransformer2DModel": compare_modules}
+# pixels per latent patch side: VAE downsampling (8) x patch size (2)
+LATENT_PIXELS = 16
+NO_ULP = "-"  # shown for pairs that are not bf16 (RoPE tables, fp32 projections)
+
+
+class CheckError(Exception):
+    """Bad input found after argument parsing; reported like an argparse error (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    text_length: int
+    height: int  # pixels
+    width: int
+    timestep: float
+
+    def label(self) -> str:
+        return (
+            f"b{self.batch} txt{self.text_length} {self.height}x{self.width} "
+            f"t{self.timestep:g}"
+        )
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "sglang-train-parity" / "tiny-qwen-image"
+
+
+def comma_list(convert):
+    """argparse type: a comma-separated list of `convert`ed values."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [convert(item.strip()) for item in text.split(",")]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if not values:
+            raise argparse.ArgumentTypeError("empty list")
+        return values
+
+    parse.__name__ = convert.__name__  # argparse names the type in its errors
+    return parse
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """`N` (square) or `HxW`, in pixels; each side a positive multiple of 16."""
+    match = re.fullmatch(r"(\d+)(?:x(\d+))?", text.lower())
+    if match is None:
+        raise ValueError(f"image size {text!r}: expected N or HxW (pixels)")
+    size = (int(match[1]), int(match[2] or match[1]))
+    if any(side < LATENT_PIXELS or side % LATENT_PIXELS for side in size):
+        raise ValueError(
+            f"image size {text!r}: each side must be a positive multiple of "
+            f"{LATENT_PIXELS} pixels (one latent patch)"
+        )
+    return size
+
+
+def timestep(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"timestep {text!r} is not a number") from None
+    if not 0 <= value <= 1000:
+        raise ValueError(f"timestep {text} is outside the scheduler's 0..1000")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang parity-check",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: sglang parity-check --batch-sizes 1,2 --image-sizes 128,256x128 "
+        "--timesteps 999,500\n"
+        "negative control (must fail): sglang parity-check --numerics default",
+    )
+    model = parser.add_argument_group("model and adapter")
+    model.add_argument(
+        "--model-path",
+        type=Path,
+        metavar="DIR",
+        help="diffusers-layout model folder (with transformer/); default: a tiny random "
+        f"Qwen-Image built once into {default_model_dir()}",
+    )
+    model.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="R",
+        help="rank of a random LoRA adapter on all 12 targets; 0: none (default 8 under "
+        "train_parity, 0 under default: its packed text QKV takes no PEFT adapter)",
+    )
+    model.add_argument(
+        "--lora-alpha",
+        type=int,
+        metavar="A",
+        help="alpha of the random adapter (default 12: scaling 1.5 at rank 8, not a power "
+        "of two, so the scaling multiply rounds)",
+    )
+    model.add_argument(
+        "--lora-path",
+        type=Path,
+        metavar="PATH",
+        help="a PEFT adapter instead of a random one: a folder with adapter_config.json and "
+        "adapter_model.safetensors, or a .safetensors file next to adapter_config.json",
+    )
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random inputs (+ case index) and adapter (default 0)",
+    )
+    cases = parser.add_argument_group(
+        "cases (comma lists; every combination is one case)"
+    )
+    cases.add_argument(
+        "--batch-sizes",
+        type=comma_list(positive_int),
+        default=[1, 2],
+        metavar="LIST",
+        help="(default 1,2)",
+    )
+    cases.add_argument(
+        "--text-lengths",
+        type=comma_list(positive_int),
+        default=[7],
+        metavar="LIST",
+        help="prompt tokens, unpadded (default 7)",
+    )
+    cases.add_argument(
+        "--image-sizes",
+        type=comma_list(image_size),
+        default=[(128, 128)],
+        metavar="LIST",
+        help="pixels, N or HxW, multiples of 16 (latent patch grid = size / 16; default 128)",
+    )
+    cases.add_argument(
+        "--timesteps",
+        type=comma_list(timestep),
+        metavar="LIST",
+        default=[999.0, 500.0],
+        help="scheduler timesteps, 0..1000 (default 999,500)",
+    )
+    run = parser.add_argument_group("numerics and device")
+    run.add_argument(
+        "--numerics",
+        choices=NUMERICS_MODES,
+        default="train_parity",
+        help="sglang's numerics mode (default train_parity; default is the negative "
+        "control, expected to differ)",
+    )
+    run.add_argument(
+        "--train-parity-rope-tables",
+        choices=ROPE_TABLE_DEVICES,
+        default="cpu",
+        help="where both sides build the RoPE tables (default cpu, as diffusers)",
+    )
+    run.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: CUDA's autocast policy emulated; cuda: real autocast, reference "
+        "attention _native_flash (default cpu)",
+    )
+    report = parser.add_argument_group("report")
+    report.add_argument(
+        "--out-dir",
+        type=Path,
+        metavar="DIR",
+        default=Path("parity-report"),
+        help="where report.json and ulp.png go (default parity-report/)",
+    )
+    report.add_argument(
+        "--all-modules",
+        action="store_true",
+        help="print every paired module, not just the diverging ones",
+    )
+    report.add_argument(
+        "--max-rows",
+        type=int,
+        metavar="N",
+        default=40,
+        help="module rows printed at most; 0: no limit (default 40)",
+    )
+    return parser
+
+
+def resolve_lora(args, parser) -> None:
+    """Fill args.lora_rank / lora_alpha; with --lora-path, from its adapter_config.json."""
+    if args.lora_path is None:
+        if args.lora_rank is None:
+            args.lora_rank = 8 if args.numerics == "train_parity" else 0
+        args.lora_alpha = 12 if args.lora_alpha is None else args.lora_alpha
+        if args.lora_rank < 0 or (args.lora_rank and args.lora_alpha <= 0):
+            parser.error("--lora-rank must be >= 0 and --lora-alpha > 0")
+        return
+    if args.lora_rank is not None or args.lora_alpha is not None:
+        parser.error(
+            "--lora-path takes rank and alpha from its adapter_config.json; "
+            "drop --lora-rank / --lora-alpha"
+        )
+    folder = args.lora_path if args.lora_path.is_dir() else args.lora_path.parent
+    weights = (
+        folder / "adapter_model.safetensors"
+        if args.lora_path.is_dir()
+        else args.lora_path
+    )
+    config_file = folder / "adapter_config.json"
+    if not (weights.is_file() and weights.suffix == ".safetensors"):
+        parser.error(f"--lora-path: no safetensors adapter at {weights}")
+    if not config_file.is_file():
+        parser.error(f"--lora-path: no {config_file}")
+    config = json.loads(config_file.read_text())
+    unsupported = [k for k in ("use_dora", "use_rslora") if config.get(k)]
+    unsupported += [k for k in ("rank_pattern", "alpha_pattern") if config.get(k)]
+    if unsupported:
+        parser.error(
+            f"--lora-path: {', '.join(unsupported)} is not covered by train_parity "
+            "(docs/numerics-contract.md): plain LoRA only"
+        )
+    args.lora_path = weights
+    args.lora_rank, args.lora_alpha = config["r"], config["lora_alpha"]
+
+
+def validate(args, parser) -> None:
+    if args.model_path is not None:
+        config = args.model_path / "transformer" / "config.json"
+        if not config.is_file():
+            parser.error(
+                f"--model-path {args.model_path}: not a diffusers-layout model "
+                "(no transformer/config.json)"
+            )
+        family = json.loads(config.read_text()).get("_class_name")
+        if family not in PAIRINGS:
+            parser.error(
+                f"--model-path: transformer class {family!r} has no parity pairing; "
+                f"supported: {', '.join(PAIRINGS)}"
+            )
+    if args.max_rows < 0:
+        parser.error("--max-rows must be >= 0")
+    if find_spec("matplotlib") is None:  # not an sglang dependency; fail before the run
+        parser.error("the ulp.png plot needs matplotlib: pip install matplotlib")
+    resolve_lora(args, parser)
+    if args.lora_rank and args.numerics != "train_parity":
+        parser.error(
+            "a LoRA adapter needs --numerics train_parity: the default numerics pack the "
+            "text Q/K/V projections into one Linear (to_added_qkv), which PEFT's "
+            "per-projection adapter does not address; use --lora-rank 0"
+        )
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(
+                "--device cuda: CUDA is not available here (torch sees no GPU)"
+            )
+
+
+def load_lora_file(path: Path) -> dict:
+    """A PEFT adapter's tensors, keyed as `get_peft_model_state_dict` names them."""
+    # PeftModel.save_pretrained prefixes `base_model.model.`, diffusers' pipelines `transformer.`.
+    prefixes = ("base_model.model.", "transformer.")
+    state = {}
+    for key, tensor in load_file(path).items():
+        for prefix in prefixes:
+            key = key.removeprefix(prefix)
+        state[key] = tensor
+    return state
+
+
+def load_models(args, model_dir: Path):
+    """The sglang DiT (loaded once per process: it sets global server args), the reference
+    and the pairing function; LoRA in both when asked."""
+    from diffusers import QwenImageTransformer2DModel
+
+    family = json.loads((model_dir / "transformer" / "config.json").read_text())
+    pair_modules = PAIRINGS[family["_class_name"]]
+
+    if args.numerics == "default" and args.device == "cpu":
+        register_cpu_kernels()  # upstream's default norms call sgl_kernel CPU ops
+    server_kwargs = {"numerics": args.numerics}
+    if args.numerics == "train_parity":  # sglang refuses the option in other modes
+        server_kwargs["train_parity_rope_tables"] = args.train_parity_rope_tables
+    try:
+        dit = load_dit(model_dir, **server_kwargs)
+    except ValueError as e:  # sglang's own option and model checks
+        raise CheckError(f"sglang refused the model or options: {e}") from e
+    masters = QwenImageTransformer2DModel.from_pretrained(
+        model_dir / "transformer", torch_dtype=torch.float32
+    )
+    state = None
+    if args.lora_path is not None:
+        state = load_lora_file(args.lora_path)
+    elif args.lora_rank:
+        state = random_lora_state(masters, args.lora_rank, args.lora_alpha, args.seed)
+    try:
+        # first: it checks the adapter against PEFT's targets, with a clear message
+        reference = build_reference(
+            masters,
+            state,
+            args.lora_rank,
+            args.lora_alpha,
+            device=args.device,
+            rope_tables=args.train_parity_rope_tables,
+        )
+        if state is not None:
+            wrap_linears_for_lora(dit, args.numerics)
+            push_lora(dit, state, args.lora_rank, args.lora_alpha)
+    except (ValueError, AttributeError) as e:  # AttributeError: no such sglang module
+        raise CheckError(f"LoRA adapter: {e}") from e
+    return dit, reference, pair_modules, masters.config.joint_attention_dim
+
+
+def run_cases(args, model_dir: Path, cases: list[Case]) -> list[dict]:
+    dit, reference, pair_modules, joint_dim = load_models(args, model_dir)
+    results = []
+    for index, case in enumerate(tqdm(cases, desc="parity", unit="case", disable=None)):
+        inputs = QwenDiTInputs.random(
+            case.batch,
+            case.height // LATENT_PIXELS,
+            case.width // LATENT_PIXELS,
+            case.text_length,
+            joint_dim,
+            case.timestep,
+            seed=args.seed + index,
+        )
+        ours = sglang_forward(dit, inputs, args.device)
+        _, theirs = reference_forward(reference, inputs, args.device)
+        pairs = pair_modules(ours, theirs, args.lora_rank > 0)
+        results.append(
+            {
+                **asdict(case),
+                "equal": all(p["equal"] for p in pairs),
+                "first_divergence": first_divergence(pairs),
+                "pairs": pairs,
+            }
+        )
+    return results
+
+
+def summarize_modules(results: list[dict]) -> list[dict]:
+    """Per module, in execution order (`index`), over all cases: equal in all, in how many,
+    worst |diff| and ULP."""
+    modules: dict[str, dict] = {}
+    for result in results:
+        for pair in result["pairs"]:
+            row = modules.setdefault(
+                pair["sglang"],
+                {
+                    "index": len(modules),
+                    "sglang": pair["sglang"],
+                    "diffusers": pair["diffusers"],
+                    "dtype": pair["dtype"],
+                    "shape": pair["shape"],  # of the first case
+                    "cases_equal": 0,
+                    "cases": 0,
+                    "max_abs_diff": None,
+                    "max_ulp": None,
+                },
+            )
+            row["cases"] += 1
+            row["cases_equal"] += pair["equal"]
+            for key in ("max_abs_diff", "max_ulp"):
+                if pair[key] is not None:
+                    row[key] = max(pair[key], row[key] or 0)
+    for row in modules.values():
+        row["equal"] = row["cases_equal"] == row["cases"]
+    return list(modules.values())
+
+
+def print_report(
+    modules: list[dict], cases: list[Case], results: list[dict], args
+) -> None:
+    print(f"\n{'case':<28} {'pairs equal':>11}  first divergence")
+    for case, result in zip(cases, results):
+        equal = sum(p["equal"] for p in result["pairs"])
+        print(
+            f"{case.label():<28} {equal:>5}/{len(result['pairs']):<5}  "
+            f"{result['first_divergence'] or '-'}"
+        )
+
+    diverging = [m for m in modules if not m["equal"]]
+    rows = modules if args.all_modules else diverging
+    shown = rows[: args.max_rows or None]
+    if shown:
+        width = max(len(m["sglang"] or "(output)") for m in shown)
+        print(
+            f"\n{'#':>4}  {'module':<{width}}  {'dtype':<9} {'shape (1st case)':<18} "
+            f"{'equal':>7}  {'max |diff|':>10}  {'max ULP':>7}"
+        )
+        for m in shown:
+            shape = "x".join(map(str, m["shape"]))
+            ulp = NO_ULP if m["max_ulp"] is None else m["max_ulp"]
+            diff = "-" if m["max_abs_diff"] is None else f"{m['max_abs_diff']:.3g}"
+            print(
+                f"{m['index']:>4}  {m['sglang'] or '(output)':<{width}}  "
+                f"{m['dtype']:<9} {shape:<18} {m['cases_equal']:>3}/{m['cases']:<3}  "
+                f"{diff:>10}  {ulp:>7}"
+            )
+        if len(rows) > len(shown):
+            print(f"  ... {len(rows) - len(shown)} more rows in report.json")
+
+    outputs = (
+        f"report: {args.out_dir / 'report.json'}, plot: {args.out_dir / 'ulp.png'}"
+    )
+    if not diverging:
+        print(
+            f"\nPASS: all {len(modules)} paired modules bitwise equal in all "
+            f"{len(results)} cases ({outputs})"
+        )
+        return
+    first = diverging[0]
+    print(
+        f"\nFAIL: {len(diverging)} of {len(modules)} paired modules differ in "
+        f"{sum(not r['equal'] for r in results)} of {len(results)} cases; first divergence: "
+        f"{first['sglang'] or '(output)'} (#{first['index']}, max ULP "
+        f"{first['max_ulp'] if first['max_ulp'] is not None else NO_ULP}) ({outputs})"
+    )
+
+
+def plot_ulp(modules: list[dict], path: Path, title: str) -> None:
+    """Max ULP distance per module in execution order (symlog: 0 stays visible); modules
+    that differ without a bf16 ULP (complex RoPE tables, fp32) drawn as crosses at 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = range(len(modules))
+    ulp = [m["max_ulp"] or 0 for m in modules]
+    colors = ["tab:red" if u else "tab:green" for u in ulp]
+    no_ulp = [m["index"] for m in modules if m["max_ulp"] is None and not m["equal"]]
+    fig, ax = plt.subplots(figsize=(min(30, max(10, len(modules) / 6)), 6))
+    ax.plot(x, ulp, color="0.7", linewidth=0.8, zorder=1)
+    ax.scatter(x, ulp, c=colors, s=14, zorder=2)
+    if no_ulp:
+        ax.scatter(
+            no_ulp,
+            [1] * len(no_ulp),
+            marker="x",
+            color="tab:purple",
+            label="differs, not bf16 (no ULP)",
+        )
+        ax.legend(loc="upper left")
+    first = next((m for m in modules if not m["equal"]), None)
+    if first is not None:
+        ax.axvline(first["index"], color="tab:red", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"first divergence: {first['sglang'] or '(output)'}",
+            (first["index"], 0.5),  # mid-height: clear of the points
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
+            textcoords="offset points",
+            color="tab:red",
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+        )
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(0, max(10, 2 * max(ulp)))  # headroom for the label; a scale when all 0
+    step = max(1, len(modules) // 80)  # keep tick labels legible on full-size models
+    ax.set_xticks(list(x)[::step])
+    ax.set_xticklabels(
+        [m["sglang"] or "(output)" for m in modules][::step], rotation=90, fontsize=6
+    )
+    ax.set_xlabel("module (execution order)")
+    ax.set_ylabel("max ULP distance (bf16), over all cases")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: str) -> dict:
+    """What the bits depend on: package versions (the fork's own included) and the device."""
+    packages = {
+        name: version(name) for name in ("sglang", "torch", "diffusers", "peft")
+    }
+    return {
+        **packages,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    }
+
+
+def check(args) -> bool:
+    """Run every case, write the report; True when every pair is bitwise equal."""
+    if args.numerics == "default" and args.device == "cpu":
+        # upstream compiles forward_native on CPU (slow, needs a C++ toolchain). This is what
+        # TORCH_COMPILE_DISABLE=1 sets; the variable is read when torch is imported, too late here.
+        torch._dynamo.config.disable = True
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model_path
+    if model_dir is None:
+        model_dir = build_tiny_qwen_image(default_model_dir())
+    cases = [
+        Case(batch, text_length, height, width, t)
+        for batch, text_length, (height, width), t in itertools.product(
+            args.batch_sizes, args.text_lengths, args.image_sizes, args.timesteps
+        )
+    ]
+    results = run_cases(args, model_dir, cases)
+    modules = summarize_modules(results)
+    equal = all(r["equal"] for r in results)
+    first = next((m["sglang"] for m in modules if not m["equal"]), None)
+    report = {
+        "equal": equal,
+        "first_divergence": first,
+        "model_path": str(model_dir),
+        "numerics": args.numerics,
+        "train_parity_rope_tables": args.train_parity_rope_tables,
+        "lora": (
+            {
+                "path": str(args.lora_path) if args.lora_path else None,
+                "rank": args.lora_rank,
+                "alpha": args.lora_alpha,
+            }
+            if args.lora_rank
+            else None
+        ),
+        "seed": args.seed,
+        "environment": environment(args.device),
+        "modules": modules,
+        "cases": results,
+    }
+    (args.out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    plot_ulp(
+        modules,
+        args.out_dir / "ulp.png",
+        f"sglang --numerics {args.numerics} vs diffusers + PEFT ({args.device}, "
+        f"{len(cases)} cases): {'bitwise equal' if equal else 'differs'}",
+    )
+    print_report(modules, cases, results, args)
+    return equal
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate(args, parser)
+    try:
+        equal = check(args)
+    except CheckError as e:
+        parser.error(str(e))
+    sys.exit(0 if equal else 1)

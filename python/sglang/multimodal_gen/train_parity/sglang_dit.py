@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The sglang side of a parity check: a Qwen-Image DiT loaded through sglang's real transformer
+loader in this process, LoRA put in as the post-training weight updater does, one forward with
+every module's output recorded."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
+
+
+def init_single_process(device: str = "cpu") -> None:
+    """sglang's parallel state for one process (gloo on CPU)."""
+    from sglang.multimodal_gen.runtime.distributed.parallel_state import (
+        maybe_init_distributed_environment_and_model_parallel,
+    )
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    # assigned, not defaulted: a parent process's MASTER_PORT is its own store's
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
+    maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
+
+
+def load_dit(model_dir: Path, **server_kwargs) -> nn.Module:
+    """The DiT of the diffusers-layout `model_dir`, built for `server_kwargs` (e.g. numerics)."""
+    from sglang.multimodal_gen.runtime.loader.component_loaders.component_loader import (
+        PipelineComponentLoader,
+    )
+    from sglang.multimodal_gen.runtime.loader.component_loaders.transformer_loader import (
+        TransformerLoader,
+    )
+    from sglang.multimodal_gen.runtime.server_args import (
+        ServerArgs,
+        set_global_server_args,
+    )
+
+    server_args = ServerArgs.from_kwargs(
+        model_path=str(model_dir), model_id="Qwen-Image", num_gpus=1, **server_kwargs
+    )
+    set_global_server_args(server_args)
+    init_single_process()
+    loaded = PipelineComponentLoader.load_component(
+        component_name="transformer",
+        component_model_path=str(Path(model_dir) / "transformer"),
+        transformers_or_diffusers="diffusers",
+        server_args=server_args,
+        loader_cls=TransformerLoader,  # no silent fallback to the diffusers model
+    )
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    return model.eval()
+
+
+def wrap_linears_for_lora(model: nn.Module, numerics: str) -> None:
+    """What LoRAPipeline.convert_module_lora_layers does on the first LoRA update: every
+    supported Linear wrapped, in the DiT's numerics mode."""
+    from sglang.multimodal_gen.runtime.layers.lora.linear import (
+        replace_submodule,
+        wrap_with_lora_layer,
+    )
+    from sglang.multimodal_gen.runtime.utils.numerics_mode import numerics_mode_context
+
+    for name, layer in list(model.named_modules()):
+        with numerics_mode_context(numerics):
+            wrapped = wrap_with_lora_layer(layer)
+        if wrapped is not None:
+            replace_submodule(model, name, wrapped)
+
+
+def push_lora(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    rank: int,
+    alpha: int,
+    merge: bool = False,
+) -> None:
+    """The weight updater's per-layer step for PEFT-named A/B pairs (fp32 masters or bf16)."""
+    for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
+        prefix = key.removesuffix(".lora_A.weight")
+        layer = model.get_submodule(prefix)
+        layer.lora_rank, layer.lora_alpha = rank, alpha
+        layer.set_lora_weights(
+            state[key],
+            state[f"{prefix}.lora_B.weight"],
+            merge_weights=merge,
+            clear_existing=True,
+        )
+
+
+def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
+    """Forward hooks storing each module's first output tensor, by module name ("" = root)."""
+
+    def record(name):
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(out, torch.Tensor):
+                outputs.setdefault(name, out.detach().clone())
+
+        return hook
+
+    return [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
+
+
+def sglang_forward(
+    model: nn.Module, inputs: QwenDiTInputs, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """One forward as sglang's denoising stage makes it; every module's output by name."""
+    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
+        QwenImagePipelineConfig,
+    )
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+
+    batch, txt_len = inputs.text.shape[:2]
+    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
+        inputs.img_shapes,
+        [txt_len] * batch,
+        model.rotary_emb,
+        torch.device(device),
+        torch.bfloat16,
+    )
+    outputs: dict[str, torch.Tensor] = {}
+    handles = record_outputs(model, outputs)
+    try:
+        with torch.no_grad(), set_forward_context(
+            current_timestep=0, attn_metadata=None, forward_batch=None
+        ):
+            output = model(
+                hidden_states=inputs.latents.to(device, torch.bfloat16),
+                encoder_hidden_states=inputs.text.to(device),
+                encoder_hidden_states_mask=None,
+                timestep=inputs.timestep.to(device),
+                img_shapes=inputs.img_shapes,
+                txt_seq_lens=[txt_len] * batch,
+                freqs_cis=freqs_cis,
+                freqs_complex=freqs_complex,
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    outputs[""] = output
+    return outputs

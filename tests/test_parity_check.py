@@ -1,0 +1,122 @@
+"""`sglang parity-check` on the tiny Qwen-Image model (CPU): bitwise equal under train_parity with
+a LoRA adapter, the negative control (`--numerics default`) fails and names the first diverging
+module, and bad input is refused with a clear message (exit 2) before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SGLANG = (
+    Path(sys.executable).parent / "sglang"
+)  # the console script of this environment
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+
+
+def parity_check(*args: str) -> subprocess.CompletedProcess:
+    """The tool in its own process: it loads the sglang DiT, which sets process globals."""
+    return subprocess.run(
+        [str(SGLANG), "parity-check", *args], capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+def test_train_parity_with_lora_is_bitwise(tiny_model, tmp_path):
+    result = parity_check(
+        "--model-path", str(tiny_model), "--batch-sizes", "1,2", "--timesteps", "500",
+        "--lora-rank", "8", "--lora-alpha", "12", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["equal"] and report["first_divergence"] is None
+    assert report["lora"] == {"path": None, "rank": 8, "alpha": 12}
+    assert len(report["cases"]) == 2
+    pairs = [p for case in report["cases"] for p in case["pairs"]]
+    assert all(p["equal"] and p["max_ulp"] in (0, None) for p in pairs)
+    compared = {p["sglang"] for p in pairs}
+    for module in ("", "txt_norm", "transformer_blocks.0.attn.to_q.base_layer"):
+        assert module in compared, module  # model output, a norm, a LoRA'd base layer
+    assert (tmp_path / "ulp.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "PASS: all" in result.stdout
+
+
+@pytest.mark.slow
+def test_default_numerics_fails_and_names_first_divergence(tiny_model, tmp_path):
+    result = parity_check(
+        "--model-path", str(tiny_model), "--numerics", "default", "--batch-sizes", "1",
+        "--timesteps", "500", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not report["equal"]
+    # the first op whose default arithmetic differs (RMSNorm rounding), before any block
+    assert report["first_divergence"] == "txt_norm"
+    assert report["cases"][0]["first_divergence"] == "txt_norm"
+    assert "first divergence: txt_norm" in result.stdout
+    assert (tmp_path / "ulp.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.fixture
+def not_qwen_model(tmp_path) -> Path:
+    (tmp_path / "transformer").mkdir()
+    config = {"_class_name": "FluxTransformer2DModel"}
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--image-sizes", "128,100"], "multiple of 16"),
+        (["--image-sizes", "big"], "expected N or HxW"),
+        (["--batch-sizes", "0"], "'0' is not a positive integer"),
+        (["--text-lengths", "-3"], "'-3' is not a positive integer"),
+        (["--timesteps", "1500"], "outside the scheduler's 0..1000"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        (["--model-path", "/nonexistent"], "not a diffusers-layout model"),
+        (
+            ["--numerics", "default", "--lora-rank", "4"],
+            "needs --numerics train_parity",
+        ),
+        (["--lora-path", "/nonexistent"], "no safetensors adapter"),
+        (["--numerics", "fast"], "invalid choice: 'fast'"),
+    ],
+)
+def test_bad_input_is_refused(args, message, capsys):
+    from sglang.multimodal_gen.train_parity.check import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_family_is_refused(not_qwen_model, capsys):
+    from sglang.multimodal_gen.train_parity.check import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-path", str(not_qwen_model)])
+    assert exit_info.value.code == 2
+    assert "'FluxTransformer2DModel' has no parity pairing" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused(capsys):
+    from sglang.multimodal_gen.train_parity.check import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
