@@ -372,14 +372,20 @@ class DefaultPathHarness:
 
     def _wrap_try(self, attr: str, fn):
         harness = self
+        state = {"unavailable": False}
 
         def wrapped(*args, **kwargs):
+            # once unavailable, always: answer "not supported" without retrying the kernel load
+            # (a refused JIT build recomputes its build key on every call: pure CPU overhead)
+            if state["unavailable"]:
+                return None
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 if not _unavailable(exc):
                     raise
-                harness._log(attr, attr, exc, "", "None (caller's unfused path)")
+                harness._log(attr, attr, exc, "", "None (caller's unfused path), then short-circuited")
+                state["unavailable"] = True
                 return None
 
         wrapped.__name__ = attr

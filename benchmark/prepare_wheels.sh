@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fill the carried wheel folder .whl/ (git-ignored; add `/.whl/` to .git/info/exclude) for the H200:
+# the fork built for cp312 from the pinned upstream wheel, and the packages the H200 image lacks
+# that importing and loading sglang's Qwen-Image DiT needs there (/work/shared/reference/h200-import-notes.md,
+# plus openai/jiter/distro/sniffio/uvicorn/partial-json-parser found by a CPU run of the loader path
+# with every other package the image lacks blocked). ~55 MB in all.
+#
+#   bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+upstream=${1:?pinned upstream cp312 wheel}
+mkdir -p .whl
+rm -f .whl/sglang-*.whl
+python3 -m forktools build -o .whl --upstream-wheel "$upstream"
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 \
+    manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64; do
+    platforms+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
+    diffusers==0.42.1 orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 apache-tvm-ffi==0.1.11 \
+    dill==0.4.1 compressed-tensors==0.18.0 gguf==0.19.0 addict==2.4.0 cache-dit==1.5.1 starlette==1.10.0 \
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3 \
+    traitlets==5.16.1 openai==2.8.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 uvicorn==0.54.0 \
+    partial-json-parser==0.2.1.1.post7
+du -sh .whl

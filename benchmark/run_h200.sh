@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
+#
+#   bash benchmark/run_h200.sh [parity|speed|all]
+#
+# Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
+# built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
+# importing sglang's diffusion runtime needs there. Results and logs go to $OUT (the device tool's
+# folder that comes back) or /tmp/out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+what=${1:-all}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 3; }
+export PYTHONPATH=/tmp/site
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
+    python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
+    python3 -m pip list 2>/dev/null | grep -i -E "^(torch|triton|peft|transformers|diffusers|sglang|numpy|safetensors|pydantic|typing.extensions) "
+    sha256sum .whl/sglang-*.whl
+} 2>&1 | tee "$OUT/env.txt"
+
+rc=0
+if [ "$what" = parity ] || [ "$what" = all ]; then
+    timeout "${PARITY_TIMEOUT:-250}" python3 benchmark/gpu_parity.py --out "$OUT/gpu_parity.json" \
+        --budget-s "${PARITY_BUDGET:-170}" >"$OUT/gpu_parity.log" 2>&1
+    prc=$?
+    echo "gpu_parity exit $prc"; rc=$((rc | prc))
+    grep -E "^(train_parity|alpha96|default) |^default |^stand-in|^passed|^FAILED|^ERROR|Error|error:" "$OUT/gpu_parity.log" | tail -40
+fi
+if [ "$what" = speed ] || [ "$what" = all ]; then
+    timeout "${SPEED_TIMEOUT:-320}" python3 benchmark/speed.py --out "$OUT/speed.json" \
+        --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" >"$OUT/speed.log" 2>&1
+    src=$?
+    echo "speed exit $src"; rc=$((rc | src))
+    grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
+fi
+nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv,noheader
+exit $rc

@@ -1,0 +1,469 @@
+"""Per-denoising-step latency of the full Qwen-Image DiT (60 blocks, 1024x1024 image = 4096 image
+tokens, batch 1, CFG as two forwards, LoRA r64 unmerged on all 12 targets of every block):
+
+* `train_parity`: the fork, numerics="train_parity" (attention torch_sdpa, LoRA dynamic), loaded
+  through sglang's real transformer loader (weights generated on the device and fed through the
+  loader's own `weights_iterator` argument: a 41 GB checkpoint would not fit the lease);
+* `default`: the fork with upstream's numerics, the closest default path that runs on this machine
+  (benchmark/gpu_common.DefaultPathHarness: every fallback is recorded), request quality "lossless"
+  mounted, LoRA unmerged (dynamic, bf16 A/B), attention torch_sdpa (FA3 needs sgl_kernel);
+* `diffusers`: plain eager diffusers + PEFT under torch.autocast("cuda", bf16), `_native_flash`.
+
+One process, the variants one after another (each ~41 GB of weights; the first variant's model was
+seen to stay resident after it was dropped, so later variants record `leftover_gib_before_build`).
+Per variant: median / p10 / p90 of `--steps` timed steps after `--warmup` steps (CUDA events), peak
+GPU memory, then one profiled step (torch.profiler) broken down by kernel family and by module class.
+
+    python benchmark/speed.py [--device cuda|cpu] [--tiny] [--layers 60] [--steps 20] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmark import gpu_common, gpu_standins  # noqa: E402
+
+LORA_RANK, LORA_ALPHA = 64, 128
+CFG_SCALE = 4.0
+TXT_LEN = {"cond": 211, "uncond": 77}
+TXT_LEN_TINY = {"cond": 13, "uncond": 7}
+
+# kernel name -> family (first match wins)
+KERNEL_FAMILIES = (
+    ("attention (flash/sdpa)", r"flash|fmha|attention|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|xmma|cublas|matmul|splitK|s16816|wgmma"),
+    ("triton (compiled/fused)", r"^triton_|triton"),
+    ("layer_norm", r"layer_norm|LayerNorm"),
+    ("reduce (rms/mean/norm)", r"reduce_kernel|norm_kernel|Reduce"),
+    ("cat/copy/cast", r"CatArray|copy_kernel|direct_copy|Memcpy|memcpy|contiguous|cast"),
+    ("elementwise", r"elementwise|vectorized|unrolled|Functor|mul|add"),
+)
+ANNOTATED_CLASSES = (
+    "BaseLayerWithLoRA",
+    "RMSNorm",
+    "LayerNormScaleShift",
+    "ScaleResidualLayerNormScaleShift",
+    "MulAdd",
+    "QwenImageCrossAttention",
+    "QwenImageFeedForward",
+    # diffusers / PEFT
+    "LoraLayer",
+    "Attention",
+    "FeedForward",
+    "LayerNorm",
+)
+
+
+def family(name: str) -> str:
+    for fam, pattern in KERNEL_FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def gpu_lora_state(config: dict, rank: int, alpha: float, device, seed: int = 0) -> dict:
+    """tests/reference_qwen.random_lora_state's distribution, generated on the device."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from torch import nn
+
+    from tests.reference_qwen import _LORA_DELTA_GAIN, is_lora_target
+
+    with torch.device("meta"):
+        meta = QwenImageTransformer2DModel(**config)
+    g = torch.Generator(device=device).manual_seed(seed)
+    scaling = alpha / rank
+    state = {}
+    for name, module in meta.named_modules():
+        if is_lora_target(name) and isinstance(module, nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=g, device=device)
+            b = torch.randn(module.out_features, rank, generator=g, device=device)
+            state[f"{name}.lora_A.weight"] = a / math.sqrt(module.in_features)
+            state[f"{name}.lora_B.weight"] = b * (_LORA_DELTA_GAIN / (rank * scaling))
+    return state
+
+
+def make_inputs(config: dict, grid: tuple[int, int], txt: dict, device):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(7)
+    h, w = grid
+    latents = torch.randn(1, h * w, config["in_channels"], generator=g, device=device)
+    text = {
+        k: torch.randn(1, n, config["joint_attention_dim"], generator=g, device=device).bfloat16()
+        for k, n in txt.items()
+    }
+    return latents, text, [[(1, h, w)]]
+
+
+class Annotator:
+    """record_function ranges around modules of the classes in ANNOTATED_CLASSES (by MRO name), so
+    the profile can attribute device time per module class."""
+
+    def __init__(self, model):
+        import torch
+
+        self.handles = []
+        self.stack = []
+        for _, module in model.named_modules():
+            names = [c.__name__ for c in type(module).__mro__]
+            match = next((c for c in ANNOTATED_CLASSES if c in names), None)
+            if match is None:
+                continue
+            label = f"mod::{match}"
+
+            def pre(mod, args, label=label):
+                rf = torch.profiler.record_function(label)
+                rf.__enter__()
+                self.stack.append(rf)
+
+            def post(mod, args, out):
+                self.stack.pop().__exit__(None, None, None)
+
+            self.handles.append(module.register_forward_pre_hook(pre))
+            self.handles.append(module.register_forward_hook(post))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def profile_step(step_fn, model, device: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cuda":
+        return {"skipped": "cpu"}
+    annot = Annotator(model)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            step_fn(0)
+            torch.cuda.synchronize()
+            profiled_wall_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        annot.remove()
+    events = prof.key_averages()
+    fams: dict = defaultdict(float)
+    kernels = []
+    modules = {}
+    aten = []
+    cpu_rows = []
+    total = 0.0
+    for e in events:
+        dev_self = getattr(e, "self_device_time_total", None)
+        if dev_self is None:
+            dev_self = getattr(e, "self_cuda_time_total", 0.0)
+        dev_total = getattr(e, "device_time_total", None)
+        if dev_total is None:
+            dev_total = getattr(e, "cuda_time_total", 0.0)
+        is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if e.key.startswith("mod::") and is_kernel:
+            continue  # the GPU-side copy of a record_function range, not a kernel
+        cpu_rows.append((getattr(e, "self_cpu_time_total", 0.0), e.count, e.key))
+        if is_kernel and dev_self > 0:
+            fams[family(e.key)] += dev_self
+            total += dev_self
+            kernels.append((dev_self, e.count, e.key))
+        elif e.key.startswith("mod::"):
+            modules[e.key[5:]] = {"device_ms": round(dev_total / 1e3, 3), "calls": e.count}
+        elif e.key.startswith("aten::") and dev_total > 0:
+            aten.append((dev_total, e.count, e.key))
+    kernels.sort(reverse=True)
+    aten.sort(reverse=True)
+    cpu_rows.sort(reverse=True)
+    return {
+        "profiled_step_wall_ms": round(profiled_wall_ms, 1),
+        "kernel_time_ms": round(total / 1e3, 3),
+        "families_ms": {k: round(v / 1e3, 3) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
+        "families_share": {k: round(v / total, 4) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])} if total else {},
+        "top_kernels": [
+            {"ms": round(t / 1e3, 3), "calls": c, "family": family(k), "name": k[:160]} for t, c, k in kernels[:25]
+        ],
+        "top_aten_ops_inclusive": [{"ms": round(t / 1e3, 3), "calls": c, "op": k} for t, c, k in aten[:25]],
+        "module_classes_inclusive": modules,
+        "top_cpu_self_ms": [{"ms": round(t / 1e3, 3), "calls": c, "name": k[:120]} for t, c, k in cpu_rows[:20]],
+        "kernel_launches": sum(c for _, c, _ in kernels),
+        "note": "one CFG step (two forwards); families from kernel names; module classes inclusive of their children",
+    }
+
+
+def time_steps(step_fn, warmup: int, steps: int, device: str) -> list[float]:
+    import torch
+
+    for i in range(warmup):
+        step_fn(i)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for i in range(steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step_fn(warmup + i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step_fn(warmup + i)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def timesteps_for(n: int, device):
+    import torch
+
+    # a scheduler's descending fp32 timesteps on sglang's 0..1000 scale, one tensor per step
+    return [torch.tensor([1000.0 * (1 - i / (n + 1))], device=device) for i in range(n)]
+
+
+def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harness=None):
+    import torch
+
+    from tests.qwen_parity_run import push_lora, wrap_linears_for_lora
+
+    kwargs = {"numerics": numerics}
+    if numerics == "default" and device == "cuda":
+        kwargs["attention_backend"] = "torch_sdpa"
+    with gpu_common.generated_weights(config, seed=0, device=device):
+        model, _ = gpu_common.load_fork_dit(model_dir, **kwargs)
+    wrap_linears_for_lora(model, numerics)
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device)
+    info = {"server_args": kwargs}
+    if numerics == "train_parity":
+        push_lora(model, state, LORA_RANK, LORA_ALPHA, merge=False)
+    else:
+        info["lora_layers_set"] = gpu_common.push_lora_any(
+            model, state, LORA_RANK, LORA_ALPHA, merge=False, dtype=torch.bfloat16
+        )
+        gpu_common.mount_default_quality(model)
+        import sglang.multimodal_gen.runtime.models.dits.qwen_image as qwen_module
+
+        harness.install(model, qwen_module)
+    del state
+    info["dispatch"] = gpu_common.dispatch_table(model)
+    return model, info
+
+
+def fork_step_fn(model, config, grid, txt, device):
+    import torch
+    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+
+    latents, text, img_shapes = make_inputs(config, grid, txt, device)
+    latents = latents.bfloat16()
+    freqs = {
+        k: QwenImagePipelineConfig.get_freqs_cis(img_shapes, [t.shape[1]], model.rotary_emb, torch.device(device), torch.bfloat16)
+        for k, t in text.items()
+    }
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        t = ts[i % len(ts)]
+        outs = {}
+        with torch.no_grad(), set_forward_context(current_timestep=i, attn_metadata=None, forward_batch=None):
+            for k in ("cond", "uncond"):
+                outs[k] = model(
+                    hidden_states=latents,
+                    encoder_hidden_states=text[k],
+                    encoder_hidden_states_mask=None,
+                    timestep=t,
+                    img_shapes=img_shapes,
+                    txt_seq_lens=[text[k].shape[1]],
+                    freqs_cis=freqs[k][0],
+                    freqs_complex=freqs[k][1],
+                )
+        return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
+def build_diffusers(config: dict, device: str):
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    from tests.reference_qwen import ADAPTER, LORA_TARGETS, _rebuild_rope_tables
+
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    gpu_common.randomize_(model, 0, device)
+    _rebuild_rope_tables(model.pos_embed, torch.device(device))
+    lora_config = LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS), lora_dropout=0.0, init_lora_weights="gaussian"
+    )
+    inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER)
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device)
+    set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+    del state
+    model = model.to(dtype=torch.bfloat16).eval()
+    model.set_attention_backend("_native_flash" if device == "cuda" else "native")
+    return model, {"attention_backend": "_native_flash" if device == "cuda" else "native"}
+
+
+def diffusers_step_fn(model, config, grid, txt, device):
+    import torch
+
+    from tests.autocast_emulation import cuda_autocast
+
+    latents, text, img_shapes = make_inputs(config, grid, txt, device)
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        t = ts[i % len(ts)] / 1000.0
+        outs = {}
+        with torch.no_grad(), cuda_autocast(device):
+            for k in ("cond", "uncond"):
+                (outs[k],) = model(
+                    hidden_states=latents,
+                    encoder_hidden_states=text[k],
+                    encoder_hidden_states_mask=None,
+                    timestep=t,
+                    img_shapes=img_shapes,
+                    return_dict=False,
+                )
+            return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variants", default="train_parity,diffusers,default")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--jit", default="off", choices=("off", "compile"))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/speed"))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmark/results/speed.json")
+    args = parser.parse_args()
+    t_start = time.monotonic()
+    gpu_common.setup(args.device, args.jit)
+    import torch
+
+    config = dict(gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG, num_layers=args.layers)
+    grid = (8, 8) if args.tiny else (64, 64)
+    txt = TXT_LEN_TINY if args.tiny else TXT_LEN
+    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image-speed", config)
+    result = {
+        "script": "benchmark/speed.py",
+        "argv": sys.argv[1:],
+        "config": config,
+        "image": f"{grid[0] * 16}x{grid[1] * 16}",
+        "image_tokens": grid[0] * grid[1],
+        "text_tokens": txt,
+        "batch": 1,
+        "cfg": "two forwards per step (cond, uncond) + combine",
+        "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "all 12 per block", "merged": False},
+        "steps_timed": args.steps,
+        "warmup_steps": args.warmup,
+        "variants": {},
+        "errors": {},
+    }
+
+    def save():
+        result["versions"] = gpu_common.versions()
+        result["standin_calls"] = gpu_standins.calls()
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        gpu_common.write_json(args.out, result)
+
+    for variant in args.variants.split(","):
+        t0 = time.monotonic()
+        entry: dict = {}
+        result["variants"][variant] = entry
+        harness = gpu_common.DefaultPathHarness() if variant == "default" else None
+        model = step = None
+        try:
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+                entry["leftover_gib_before_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
+            if variant == "diffusers":
+                model, info = build_diffusers(config, args.device)
+                step = diffusers_step_fn(model, config, grid, txt, args.device)
+            else:
+                model, info = build_fork(variant, config, model_dir, args.device, harness)
+                step = fork_step_fn(model, config, grid, txt, args.device)
+            entry.update(info)
+            if args.device == "cuda":
+                entry["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                entry["build_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
+            entry["build_s"] = round(time.monotonic() - t0, 1)
+            t1 = time.monotonic()
+            times = time_steps(step, args.warmup, args.steps, args.device)
+            entry["warmup_and_timing_s"] = round(time.monotonic() - t1, 1)
+            q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+            entry.update(
+                step_ms_median=round(statistics.median(times), 2),
+                step_ms_p10=round(q[0], 2),
+                step_ms_p90=round(q[-1], 2),
+                step_ms_all=[round(t, 2) for t in times],
+            )
+            if args.device == "cuda":
+                # peak while stepping (weights + activations), build transients excluded
+                entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                entry["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            if not args.no_profile:
+                entry["profile"] = profile_step(step, model, args.device)
+        except Exception:  # noqa: BLE001
+            result["errors"][variant] = gpu_common.format_exc()
+        if harness is not None:
+            entry["fallbacks"] = harness.report()
+        entry["wall_s"] = round(time.monotonic() - t0, 1)
+        model = step = harness = None  # the step closure and the harness wrappers hold the model
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        save()
+        print(f"{variant}: median {entry.get('step_ms_median')} ms/step, peak {entry.get('peak_gib')} GiB, wall {entry['wall_s']} s", flush=True)
+
+    v = result["variants"]
+    med = {k: e.get("step_ms_median") for k, e in v.items()}
+    if med.get("train_parity") and med.get("default"):
+        result["train_parity_over_default"] = round(med["train_parity"] / med["default"], 3)
+    if med.get("train_parity") and med.get("diffusers"):
+        result["train_parity_over_diffusers"] = round(med["train_parity"] / med["diffusers"], 3)
+    # family-level gap: where train_parity spends more kernel time than the default path
+    kt = {k: ((e.get("profile") or {}).get("kernel_time_ms")) for k, e in v.items()}
+    result["kernel_time_ms_per_step"] = kt
+    if kt.get("train_parity") and kt.get("default"):
+        result["train_parity_over_default_kernel_time"] = round(kt["train_parity"] / kt["default"], 3)
+    prof_tp = (v.get("train_parity") or {}).get("profile") or {}
+    prof_df = (v.get("default") or {}).get("profile") or {}
+    if prof_tp.get("families_ms") and prof_df.get("families_ms"):
+        fams = set(prof_tp["families_ms"]) | set(prof_df["families_ms"])
+        gap = {f: round(prof_tp["families_ms"].get(f, 0) - prof_df["families_ms"].get(f, 0), 3) for f in fams}
+        result["family_gap_ms_train_parity_minus_default"] = dict(sorted(gap.items(), key=lambda kv: -kv[1]))
+    save()
+    print(f"wrote {args.out}")
+    print(f"{'variant':14s} {'median ms/step':>15s} {'p10':>9s} {'p90':>9s} {'peak GiB':>9s}")
+    for k, e in v.items():
+        print(f"{k:14s} {e.get('step_ms_median')!s:>15s} {e.get('step_ms_p10')!s:>9s} {e.get('step_ms_p90')!s:>9s} {e.get('peak_gib')!s:>9s}")
+    for k in ("train_parity_over_default", "train_parity_over_diffusers", "kernel_time_ms_per_step",
+              "train_parity_over_default_kernel_time", "family_gap_ms_train_parity_minus_default"):
+        if k in result:
+            print(k, result[k])
+    for k, err in result["errors"].items():
+        print(f"ERROR in {k}:\n{err}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
