@@ -1,4 +1,4 @@
-"""Proof, on an NVIDIA GPU, that tests/autocast_emulation.py's policy is CUDA autocast's.
+"""Proof, on an NVIDIA GPU, that the fork's train_parity/autocast_emulation.py policy is CUDA autocast's.
 
 For each op and input dtype combination:
 
@@ -29,10 +29,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.autocast_emulation import (  # noqa: E402  (the policy lives in one place)
-    CUDA_POLICY,
-    apply_policy,
-    cuda_autocast,
+from tests.fork_modules import load_tool  # noqa: E402
+
+# The policy lives in one place, the fork's module; loaded by path: this proof needs only torch.
+_emulation = load_tool("autocast_emulation")
+CUDA_POLICY, apply_policy, cuda_autocast = (
+    _emulation.CUDA_POLICY,
+    _emulation.apply_policy,
+    _emulation.cuda_autocast,
 )
 
 DTYPES = {

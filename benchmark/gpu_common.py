@@ -39,7 +39,9 @@ REAL_CONFIG = dict(
     axes_dims_rope=(16, 56, 56),
 )
 # CPU dry runs: the same structure, small widths (head_dim stays 128: the RoPE axes need it).
-TINY_CONFIG = dict(REAL_CONFIG, num_layers=2, num_attention_heads=2, joint_attention_dim=64)
+TINY_CONFIG = dict(
+    REAL_CONFIG, num_layers=2, num_attention_heads=2, joint_attention_dim=64
+)
 
 MODEL_INDEX = {
     "_class_name": "QwenImagePipeline",
@@ -60,24 +62,21 @@ def setup(device: str, jit: str = "off") -> None:
 
     device "cuda": stand-ins for the two packages the H200 image lacks (calls fail loudly).
     device "cpu": the three CPU sgl_kernel ops upstream's default CPU norm path calls, as the CPU tests
-    register them (tests/cpu_kernel_standins.py), and torch.compile off (as the CPU tests run).
+    register them (sglang.multimodal_gen.train_parity.cpu_kernels), and torch.compile off (as the CPU tests run).
     jit "off": sglang's nvcc-at-first-use JIT kernels are not built (SGLANG_CRASH_ON_JIT_COMPILE=1:
     a load raises, upstream's can_use_* predicates then pick their unfused branch).
     """
-    from tests.dit_forward import _single_process_env
-
     gpu_standins.install()
     if jit == "off":
         os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] = "1"
     if device == "cpu":
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
-        from tests.cpu_kernel_standins import register_cpu_kernel_standins
+        from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels
 
-        register_cpu_kernel_standins()
+        register_cpu_kernels()
     else:
         # upstream compiles several default-path forwards; leave torch.compile as upstream runs it
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "0")
-    _single_process_env()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,7 +86,8 @@ def setup(device: str, jit: str = "off") -> None:
 
 def randomize_(model, seed: int, device) -> None:
     """Every parameter random, at a realistic scale: Linear weights N(0, 1/fan_in), biases
-    N(0, 0.02), norm weights U(0.8, 1.2) (default init zeroes some tensors, which hides paths)."""
+    N(0, 0.02), norm weights U(0.8, 1.2) (default init zeroes some tensors, which hides paths).
+    """
     import torch
 
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -103,7 +103,8 @@ def randomize_(model, seed: int, device) -> None:
 
 def write_model_dir(root: Path, config: dict, seed: int, device: str) -> Path:
     """A Qwen-Image model folder (sglang detects the family from the name and model_index.json)
-    whose transformer is a random diffusers `QwenImageTransformer2DModel` saved in bf16."""
+    whose transformer is a random diffusers `QwenImageTransformer2DModel` saved in bf16.
+    """
     import torch
     from diffusers import QwenImageTransformer2DModel
 
@@ -140,7 +141,9 @@ def write_config_only_model_dir(root: Path, config: dict) -> Path:
     return root
 
 
-def random_weights_iterator(config: dict, seed: int, device) -> Iterator[tuple[str, Any]]:
+def random_weights_iterator(
+    config: dict, seed: int, device
+) -> Iterator[tuple[str, Any]]:
     """(diffusers name, bf16 tensor) for every parameter of the diffusers model `config`
     describes, generated on `device` one at a time, at `randomize_`'s scales."""
     import torch
@@ -189,45 +192,25 @@ def generated_weights(config: dict, seed: int, device):
 
 
 def load_fork_dit(model_dir: Path, **server_kwargs):
-    """The fork's DiT, loaded as tests/dit_forward.py loads it, with extra ServerArgs (numerics,
-    train_parity_rope_tables, attention_backend); the DiT stays resident on the device."""
+    """The fork's DiT through sglang's real loader (train_parity.sglang_dit.load_dit) with extra
+    ServerArgs (numerics, train_parity_rope_tables, attention_backend); it stays on the device.
+    """
     import torch
-    from sglang.multimodal_gen.runtime.distributed.parallel_state import (
-        maybe_init_distributed_environment_and_model_parallel,
-    )
-    from sglang.multimodal_gen.runtime.loader.component_loaders.component_loader import (
-        PipelineComponentLoader,
-    )
-    from sglang.multimodal_gen.runtime.loader.component_loaders.transformer_loader import (
-        TransformerLoader,
-    )
-    from sglang.multimodal_gen.runtime.server_args import (
-        ServerArgs,
-        set_global_server_args,
-    )
 
-    server_args = ServerArgs.from_kwargs(
-        model_path=str(model_dir),
-        num_gpus=1,
+    from sglang.multimodal_gen.runtime.server_args import get_global_server_args
+    from sglang.multimodal_gen.train_parity.sglang_dit import load_dit
+
+    model = load_dit(
+        model_dir,
         dit_cpu_offload=False,
         text_encoder_cpu_offload=False,
         **server_kwargs,
     )
-    set_global_server_args(server_args)
-    maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
-    loaded = PipelineComponentLoader.load_component(
-        component_name="transformer",
-        component_model_path=str(model_dir / "transformer"),
-        transformers_or_diffusers="diffusers",
-        server_args=server_args,
-        loader_cls=TransformerLoader,
-    )
-    model = (loaded[0] if isinstance(loaded, tuple) else loaded).eval()
     devices = {p.device.type for p in model.parameters()}
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     if devices != {expected}:
         raise RuntimeError(f"DiT parameters on {devices}, expected all on {expected}")
-    return model, server_args
+    return model, get_global_server_args()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +218,9 @@ def load_fork_dit(model_dir: Path, **server_kwargs):
 # ----------------------------------------------------------------------------------------------
 
 
-def push_lora_any(model, state: dict, rank: int, alpha: float, merge: bool, dtype=None) -> int:
+def push_lora_any(
+    model, state: dict, rank: int, alpha: float, merge: bool, dtype=None
+) -> int:
     """The weight updater's IPC path (post_training/weights_updater.py): plain targets get their
     pair; sections of a fused layer (default numerics packs add_q/k/v_proj into `to_added_qkv`)
     are stacked with `stack_or_compose_fused_lora`. Returns the number of layers set."""
@@ -322,7 +307,9 @@ class DefaultPathHarness:
     def __init__(self) -> None:
         self.fallbacks: dict[tuple[str, str, str], dict] = {}
 
-    def _log(self, op: str, method: str, exc: BaseException, module: str, fallback: str):
+    def _log(
+        self, op: str, method: str, exc: BaseException, module: str, fallback: str
+    ):
         key = (op, method, _summary(exc))
         entry = self.fallbacks.setdefault(
             key,
@@ -345,7 +332,9 @@ class DefaultPathHarness:
                 self._wrap_op(name, module)
         for attr in dir(qwen_module):
             if attr.startswith("try_fused") and callable(getattr(qwen_module, attr)):
-                setattr(qwen_module, attr, self._wrap_try(attr, getattr(qwen_module, attr)))
+                setattr(
+                    qwen_module, attr, self._wrap_try(attr, getattr(qwen_module, attr))
+                )
 
     def _wrap_op(self, name: str, module) -> None:
         original = module._forward_method
@@ -360,7 +349,9 @@ class DefaultPathHarness:
                 return module.forward_native(*args, **kwargs)
             try:
                 return original(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - re-raised unless a kernel is missing
+            except (
+                Exception
+            ) as exc:  # noqa: BLE001 - re-raised unless a kernel is missing
                 if not _unavailable(exc):
                     raise
                 harness._log(type(module).__name__, method, exc, name, "forward_native")
@@ -384,7 +375,13 @@ class DefaultPathHarness:
             except Exception as exc:  # noqa: BLE001
                 if not _unavailable(exc):
                     raise
-                harness._log(attr, attr, exc, "", "None (caller's unfused path), then short-circuited")
+                harness._log(
+                    attr,
+                    attr,
+                    exc,
+                    "",
+                    "None (caller's unfused path), then short-circuited",
+                )
                 state["unavailable"] = True
                 return None
 
@@ -407,7 +404,9 @@ def probe_default_attention(device: str) -> dict:
     """What upstream's default attention backend on this GPU (FA, sgl_kernel's FA3) does here."""
     import torch
 
-    result: dict[str, Any] = {"backend": "FA (flash_attn_varlen_func, FA3 via sgl_kernel)"}
+    result: dict[str, Any] = {
+        "backend": "FA (flash_attn_varlen_func, FA3 via sgl_kernel)"
+    }
     if device != "cuda":
         result["probe"] = "skipped (cpu)"
         return result
@@ -416,7 +415,9 @@ def probe_default_attention(device: str) -> dict:
 
         q = torch.randn(16, 2, 128, device="cuda", dtype=torch.bfloat16)
         cu = torch.tensor([0, 16], device="cuda", dtype=torch.int32)
-        flash_attn_varlen_func(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16)
+        flash_attn_varlen_func(
+            q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16, max_seqlen_k=16
+        )
         result["probe"] = "ran"
     except Exception as exc:  # noqa: BLE001
         result["probe"] = _summary(exc)
@@ -452,14 +453,25 @@ def versions() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cudnn": (
+            torch.backends.cudnn.version()
+            if torch.backends.cudnn.is_available()
+            else None
+        ),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "allow_bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "SGLANG_CRASH_ON_JIT_COMPILE": os.environ.get("SGLANG_CRASH_ON_JIT_COMPILE"),
         "TORCH_COMPILE_DISABLE": os.environ.get("TORCH_COMPILE_DISABLE"),
     }
-    for dist in ("sglang", "diffusers", "peft", "transformers", "triton", "apache-tvm-ffi"):
+    for dist in (
+        "sglang",
+        "diffusers",
+        "peft",
+        "transformers",
+        "triton",
+        "apache-tvm-ffi",
+    ):
         try:
             info[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -475,7 +487,8 @@ def versions() -> dict:
             import subprocess
 
             info["driver"] = subprocess.check_output(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                text=True,
             ).strip()
         except Exception:  # noqa: BLE001
             pass

@@ -7,13 +7,13 @@ What runs (every case on both sides, every paired module output compared on the 
 statistics kept):
 * model: QwenImageTransformer2DModel with hidden 3072 (24 heads x 128), text width 3584, MLP 12288,
   in_channels 64, RoPE axes (16, 56, 56), `--layers` blocks, random weights saved in diffusers format
-  and loaded into the fork through sglang's real transformer loader (as tests/dit_forward.py does);
-  the reference is the same checkpoint through tests/reference_qwen.build_reference (bf16 copies of
+  and loaded into the fork through sglang's real transformer loader (train_parity.sglang_dit.load_dit);
+  the reference is the same checkpoint through sglang.multimodal_gen.train_parity.reference.build_reference (bf16 copies of
   the fp32 masters, PEFT LoRA on all 12 targets per block);
 * cases: latent patch grids 32x32 (512x512 image, 1024 tokens) and 64x64 (1024x1024, 4096 tokens);
   text lengths 77 and 211; batch 1 and 2; cond and uncond (different prompt embeddings); 2 timesteps;
 * section `train_parity`: LoRA r64 alpha 128. Two fork models, `--train-parity-rope-tables device`
-  and `cpu`, against two references, tables rebuilt on the device (tests/reference_qwen, as miles
+  and `cpu`, against two references, tables rebuilt on the device (as miles
   does) and tables as stock diffusers builds them (CPU, in __init__). Matching pairs must be bitwise
   equal module by module; crossed pairs show the table construction matters;
 * section `alpha96`: a second LoRA update into the same fork model, alpha 96 (scale 1.5);
@@ -56,7 +56,14 @@ def cases(grid: dict) -> list[dict]:
         grid["img"], grid["txt"], BATCHES, BRANCHES, TIMESTEPS
     ):
         out.append(
-            {"img": [h, w], "img_tokens": h * w, "txt_len": txt, "batch": batch, "branch": branch, "timestep": t}
+            {
+                "img": [h, w],
+                "img_tokens": h * w,
+                "txt_len": txt,
+                "batch": batch,
+                "branch": branch,
+                "timestep": t,
+            }
         )
     for i, case in enumerate(out):
         case["seed"] = 1000 + i
@@ -64,32 +71,33 @@ def cases(grid: dict) -> list[dict]:
 
 
 def make_inputs(case: dict, joint_dim: int):
-    from tests.reference_qwen import QwenDiTInputs
+    from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
 
     # cond and uncond differ by their (seeded) prompt embeddings and latents draw
     return QwenDiTInputs.random(
-        case["batch"], case["img"][0], case["img"][1], case["txt_len"], joint_dim, case["timestep"], seed=case["seed"]
+        case["batch"],
+        case["img"][0],
+        case["img"][1],
+        case["txt_len"],
+        joint_dim,
+        case["timestep"],
+        seed=case["seed"],
     )
 
 
 def make_reference(masters, state, rank, alpha, device: str, rope: str):
-    """build_reference on a copy of the masters; rope "device": tables rebuilt on the device (what
-    build_reference does); "cpu": the tables stock diffusers built on the CPU in __init__."""
-    from tests.reference_qwen import build_reference
+    """build_reference on a copy of the masters, RoPE tables built as `rope` says."""
+    from sglang.multimodal_gen.train_parity.reference import build_reference
 
-    model = copy.deepcopy(masters)
-    stock = (model.pos_embed.pos_freqs, model.pos_embed.neg_freqs)
-    if stock[0].device.type != "cpu":
-        raise RuntimeError("masters' RoPE tables are expected as diffusers built them, on the CPU")
-    ref = build_reference(model, state, rank, alpha, device)
-    if rope == "cpu":
-        ref.pos_embed.pos_freqs, ref.pos_embed.neg_freqs = stock
-    return ref
+    return build_reference(
+        copy.deepcopy(masters), state, rank, alpha, device, rope_tables=rope
+    )
 
 
 class Comparator:
     """Forward hooks on the fork's modules that compare each output, when produced, with the
-    paired diffusers module output of one or more reference runs; keeps statistics only."""
+    paired diffusers module output of one or more reference runs; keeps statistics only.
+    """
 
     def __init__(self, refs: dict, lora: bool):
         self.refs = refs
@@ -100,11 +108,17 @@ class Comparator:
     def compare_one(self, name: str, out, key: str):
         import torch
 
-        from tests.qwen_parity_run import ulp_distance
-        from tests.reference_qwen import Pairing, sglang_to_diffusers
+        from sglang.multimodal_gen.train_parity.compare import ulp_distance
+        from sglang.multimodal_gen.train_parity.reference import (
+            Pairing,
+            sglang_to_diffusers,
+        )
 
         pair = sglang_to_diffusers(name, lora=self.lora) if name else None
-        if pair is not None and pair.pairing in (Pairing.DIFFERENT, Pairing.SGLANG_ONLY):
+        if pair is not None and pair.pairing in (
+            Pairing.DIFFERENT,
+            Pairing.SGLANG_ONLY,
+        ):
             return
         dname = "" if pair is None else pair.diffusers
         theirs = self.refs[key].get(dname)
@@ -119,10 +133,20 @@ class Comparator:
         ulp = (
             0
             if equal
-            else (ulp_distance(out, theirs) if same_layout and out.dtype == torch.bfloat16 else None)
+            else (
+                ulp_distance(out, theirs)
+                if same_layout and out.dtype == torch.bfloat16
+                else None
+            )
         )
         self.rows[key].append(
-            {"sglang": name, "diffusers": dname, "dtype": str(out.dtype), "equal": equal, "max_ulp": ulp}
+            {
+                "sglang": name,
+                "diffusers": dname,
+                "dtype": str(out.dtype),
+                "equal": equal,
+                "max_ulp": ulp,
+            }
         )
 
     def hook(self, name: str):
@@ -161,16 +185,29 @@ class Comparator:
 
 def fork_forward(model, inputs, device: str, comparator: Comparator):
     import torch
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
-    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
 
-    handles = [m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()]
+    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
+        QwenImagePipelineConfig,
+    )
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+
+    handles = [
+        m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
+    ]
     batch, txt_len = inputs.text.shape[:2]
     try:
         freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-            inputs.img_shapes, [txt_len] * batch, model.rotary_emb, torch.device(device), torch.bfloat16
+            inputs.img_shapes,
+            [txt_len] * batch,
+            model.rotary_emb,
+            torch.device(device),
+            torch.bfloat16,
         )
-        with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None, forward_batch=None):
+        with torch.no_grad(), set_forward_context(
+            current_timestep=0, attn_metadata=None, forward_batch=None
+        ):
             output = model(
                 hidden_states=inputs.latents.to(device, torch.bfloat16),
                 encoder_hidden_states=inputs.text.to(device),
@@ -189,12 +226,14 @@ def fork_forward(model, inputs, device: str, comparator: Comparator):
     return comparator
 
 
-def run_grid(forks: dict, refs: dict, grid_cases, device, joint_dim, lora=True, deadline=None) -> list[dict]:
+def run_grid(
+    forks: dict, refs: dict, grid_cases, device, joint_dim, lora=True, deadline=None
+) -> list[dict]:
     """For each case: every reference forward once (outputs kept on the device for this case only),
     then every fork forward compared against every reference."""
     import torch
 
-    from tests.reference_qwen import reference_forward
+    from sglang.multimodal_gen.train_parity.reference import reference_forward
 
     records = []
     for case in grid_cases:
@@ -217,19 +256,33 @@ def run_grid(forks: dict, refs: dict, grid_cases, device, joint_dim, lora=True, 
     return records
 
 
-def condense(records: list[dict], expect_equal: set[str], expect_differ: set[str]) -> dict:
+def condense(
+    records: list[dict], expect_equal: set[str], expect_differ: set[str]
+) -> dict:
     """Per comparison: how many cases, how many bitwise at the root and at every pair; the modules
     compared (union); first divergences seen."""
     out = {}
     for key in sorted({k for r in records for k in r.get("comparisons", {})}):
-        rows = [r["comparisons"][key] for r in records if key in r.get("comparisons", {})]
-        firsts = sorted({(s["first_divergence"] or {}).get("sglang", "<none>") for s in rows})
+        rows = [
+            r["comparisons"][key] for r in records if key in r.get("comparisons", {})
+        ]
+        firsts = sorted(
+            {(s["first_divergence"] or {}).get("sglang", "<none>") for s in rows}
+        )
         out[key] = {
-            "expect": "equal" if key in expect_equal else ("differ" if key in expect_differ else "-"),
+            "expect": (
+                "equal"
+                if key in expect_equal
+                else ("differ" if key in expect_differ else "-")
+            ),
             "cases": len(rows),
             "root_bitwise": sum(bool(s["root_equal"]) for s in rows),
-            "all_pairs_bitwise": sum(s["equal_pairs"] == s["pairs"] and s["pairs"] > 0 for s in rows),
-            "root_max_ulp_max": max((s["root_max_ulp"] or 0) for s in rows) if rows else None,
+            "all_pairs_bitwise": sum(
+                s["equal_pairs"] == s["pairs"] and s["pairs"] > 0 for s in rows
+            ),
+            "root_max_ulp_max": (
+                max((s["root_max_ulp"] or 0) for s in rows) if rows else None
+            ),
             "pairs_per_case": sorted({s["pairs"] for s in rows}),
             "first_divergences": firsts,
             "modules_compared": sorted({m for s in rows for m in s["compared"]}),
@@ -237,7 +290,9 @@ def condense(records: list[dict], expect_equal: set[str], expect_differ: set[str
         ok = (
             all(s["root_equal"] and s["equal_pairs"] == s["pairs"] for s in rows)
             if key in expect_equal
-            else (not any(s["root_equal"] for s in rows) if key in expect_differ else True)
+            else (
+                not any(s["root_equal"] for s in rows) if key in expect_differ else True
+            )
         )
         out[key]["as_expected"] = ok and bool(rows)
     return out
@@ -252,14 +307,22 @@ def strip_compared(records: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--tiny", action="store_true", help="small widths (CPU dry run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="small widths (CPU dry run)"
+    )
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmark/results/gpu_parity.json")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmark/results/gpu_parity.json"
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/gpu_parity"))
     parser.add_argument("--jit", default="off", choices=("off", "compile"))
     parser.add_argument("--sections", default="train_parity,alpha96,default")
-    parser.add_argument("--max-cases", type=int, default=0, help="limit cases per section (0: all)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting cases after this")
+    parser.add_argument(
+        "--max-cases", type=int, default=0, help="limit cases per section (0: all)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="stop starting cases after this"
+    )
     args = parser.parse_args()
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
@@ -268,12 +331,18 @@ def main() -> int:
     import torch
     from diffusers import QwenImageTransformer2DModel
 
-    from tests.qwen_parity_run import push_lora, wrap_linears_for_lora
-    from tests.reference_qwen import random_lora_state
+    from sglang.multimodal_gen.train_parity.reference import random_lora_state
+    from sglang.multimodal_gen.train_parity.sglang_dit import (
+        push_lora,
+        wrap_linears_for_lora,
+    )
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available (use --device cpu --tiny for a dry run)")
-    config = dict(gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG, num_layers=args.layers)
+    config = dict(
+        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
+        num_layers=args.layers,
+    )
     grid = cases(GRID_TINY if args.tiny else GRID_REAL)
     if args.max_cases:
         grid = grid[: args.max_cases]
@@ -283,9 +352,18 @@ def main() -> int:
         "argv": sys.argv[1:],
         "device": args.device,
         "config": config,
-        "lora": {"rank": LORA_RANK, "alpha_main": ALPHA_MAIN, "alpha_second": ALPHA_SECOND, "targets_per_block": 12},
+        "lora": {
+            "rank": LORA_RANK,
+            "alpha_main": ALPHA_MAIN,
+            "alpha_second": ALPHA_SECOND,
+            "targets_per_block": 12,
+        },
         "reference": "diffusers QwenImageTransformer2DModel + PEFT LoRA, bf16 params, "
-        + ("torch.autocast('cuda', bf16), attention backend _native_flash" if args.device == "cuda" else "CUDA autocast policy emulated on CPU, attention native"),
+        + (
+            "torch.autocast('cuda', bf16), attention backend _native_flash"
+            if args.device == "cuda"
+            else "CUDA autocast policy emulated on CPU, attention native"
+        ),
         "cases_per_section": len(grid),
         "sections": {},
         "errors": {},
@@ -299,9 +377,15 @@ def main() -> int:
         gpu_common.write_json(out_path, result)
 
     t0 = time.monotonic()
-    model_dir = gpu_common.write_model_dir(args.workdir / "qwen-image-parity", config, seed=0, device=args.device)
-    masters = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", torch_dtype=torch.float32)
-    masters = masters.to(args.device)  # RoPE tables (plain attributes) stay where diffusers built them: CPU
+    model_dir = gpu_common.write_model_dir(
+        args.workdir / "qwen-image-parity", config, seed=0, device=args.device
+    )
+    masters = QwenImageTransformer2DModel.from_pretrained(
+        model_dir / "transformer", torch_dtype=torch.float32
+    )
+    masters = masters.to(
+        args.device
+    )  # RoPE tables (plain attributes) stay where diffusers built them: CPU
     joint_dim = masters.config.joint_attention_dim
     state_main = random_lora_state(masters, LORA_RANK, ALPHA_MAIN, seed=0)
     state_second = random_lora_state(masters, LORA_RANK, ALPHA_SECOND, seed=1)
@@ -317,13 +401,21 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             for rope in ("device", "cpu"):
-                model, _ = gpu_common.load_fork_dit(model_dir, numerics="train_parity", train_parity_rope_tables=rope)
+                model, _ = gpu_common.load_fork_dit(
+                    model_dir, numerics="train_parity", train_parity_rope_tables=rope
+                )
                 wrap_linears_for_lora(model, "train_parity")
                 push_lora(model, state_main, LORA_RANK, ALPHA_MAIN, merge=False)
                 forks[f"tp_rope_{rope}"] = model
-                refs[f"ref_rope_{rope}"] = make_reference(masters, state_main, LORA_RANK, ALPHA_MAIN, args.device, rope)
-            result["dispatch_train_parity"] = gpu_common.dispatch_table(forks["tp_rope_device"])
-            records = run_grid(forks, refs, grid, args.device, joint_dim, deadline=deadline)
+                refs[f"ref_rope_{rope}"] = make_reference(
+                    masters, state_main, LORA_RANK, ALPHA_MAIN, args.device, rope
+                )
+            result["dispatch_train_parity"] = gpu_common.dispatch_table(
+                forks["tp_rope_device"]
+            )
+            records = run_grid(
+                forks, refs, grid, args.device, joint_dim, deadline=deadline
+            )
             equal = {"tp_rope_device~ref_rope_device", "tp_rope_cpu~ref_rope_cpu"}
             # on a GPU the two constructions give different tables; on the CPU they are the same tables
             crossed = {"tp_rope_device~ref_rope_cpu", "tp_rope_cpu~ref_rope_device"}
@@ -351,12 +443,27 @@ def main() -> int:
     if "alpha96" in sections and "tp_rope_device" in forks:
         t0 = time.monotonic()
         try:
-            push_lora(forks["tp_rope_device"], state_second, LORA_RANK, ALPHA_SECOND, merge=False)
-            ref96 = make_reference(masters, state_second, LORA_RANK, ALPHA_SECOND, args.device, "device")
-            records = run_grid(
-                {"tp_rope_device_a96": forks["tp_rope_device"]}, {"ref_rope_device_a96": ref96}, grid, args.device, joint_dim, deadline=deadline
+            push_lora(
+                forks["tp_rope_device"],
+                state_second,
+                LORA_RANK,
+                ALPHA_SECOND,
+                merge=False,
             )
-            summary = condense(records, {"tp_rope_device_a96~ref_rope_device_a96"}, set())
+            ref96 = make_reference(
+                masters, state_second, LORA_RANK, ALPHA_SECOND, args.device, "device"
+            )
+            records = run_grid(
+                {"tp_rope_device_a96": forks["tp_rope_device"]},
+                {"ref_rope_device_a96": ref96},
+                grid,
+                args.device,
+                joint_dim,
+                deadline=deadline,
+            )
+            summary = condense(
+                records, {"tp_rope_device_a96~ref_rope_device_a96"}, set()
+            )
             strip_compared(records)
             ok &= all(s["as_expected"] for s in summary.values())
             result["sections"]["alpha96"] = {
@@ -386,24 +493,39 @@ def main() -> int:
         try:
             import sglang.multimodal_gen.runtime.models.dits.qwen_image as qwen_module
 
-            section["attention_default_probe"] = gpu_common.probe_default_attention(args.device)
+            section["attention_default_probe"] = gpu_common.probe_default_attention(
+                args.device
+            )
             kwargs = {"numerics": "default"}
             if args.device == "cuda":
-                kwargs["attention_backend"] = "torch_sdpa"  # FA (sgl_kernel FA3) is not installed here
+                kwargs["attention_backend"] = (
+                    "torch_sdpa"  # FA (sgl_kernel FA3) is not installed here
+                )
             section["server_args"] = dict(kwargs)
             model, _ = gpu_common.load_fork_dit(model_dir, **kwargs)
             wrap_linears_for_lora(model, "default")
             section["lora_layers_set"] = gpu_common.push_lora_any(
-                model, state_main, LORA_RANK, ALPHA_MAIN, merge=False, dtype=torch.bfloat16
+                model,
+                state_main,
+                LORA_RANK,
+                ALPHA_MAIN,
+                merge=False,
+                dtype=torch.bfloat16,
             )
             gpu_common.mount_default_quality(model)
             section["dispatch_constructed"] = gpu_common.dispatch_table(model)
             harness.install(model, qwen_module)
             if "ref_rope_device" not in refs:
-                refs["ref_rope_device"] = make_reference(masters, state_main, LORA_RANK, ALPHA_MAIN, args.device, "device")
+                refs["ref_rope_device"] = make_reference(
+                    masters, state_main, LORA_RANK, ALPHA_MAIN, args.device, "device"
+                )
             gpu_standins.reset_calls()
             records = run_grid(
-                {"default": model}, {"ref_rope_device": refs["ref_rope_device"]}, grid, args.device, joint_dim,
+                {"default": model},
+                {"ref_rope_device": refs["ref_rope_device"]},
+                grid,
+                args.device,
+                joint_dim,
                 deadline=max(deadline, time.monotonic() + 60),
             )
             summary = condense(records, set(), {"default~ref_rope_device"})
@@ -430,7 +552,9 @@ def main() -> int:
             )
     default = result["sections"].get("default") or {}
     for f in default.get("fallbacks", []):
-        print(f"default fallback: {f['op']}.{f['method']} -> {f['fallback']} x{f['instances']}: {f['error'][:120]}")
+        print(
+            f"default fallback: {f['op']}.{f['method']} -> {f['fallback']} x{f['instances']}: {f['error'][:120]}"
+        )
     print("default attention probe:", default.get("attention_default_probe"))
     print("stand-in calls:", result.get("standin_calls"))
     for name, err in result["errors"].items():

@@ -46,7 +46,10 @@ KERNEL_FAMILIES = (
     ("triton (compiled/fused)", r"^triton_|triton"),
     ("layer_norm", r"layer_norm|LayerNorm"),
     ("reduce (rms/mean/norm)", r"reduce_kernel|norm_kernel|Reduce"),
-    ("cat/copy/cast", r"CatArray|copy_kernel|direct_copy|Memcpy|memcpy|contiguous|cast"),
+    (
+        "cat/copy/cast",
+        r"CatArray|copy_kernel|direct_copy|Memcpy|memcpy|contiguous|cast",
+    ),
     ("elementwise", r"elementwise|vectorized|unrolled|Functor|mul|add"),
 )
 ANNOTATED_CLASSES = (
@@ -72,13 +75,18 @@ def family(name: str) -> str:
     return "other"
 
 
-def gpu_lora_state(config: dict, rank: int, alpha: float, device, seed: int = 0) -> dict:
-    """tests/reference_qwen.random_lora_state's distribution, generated on the device."""
+def gpu_lora_state(
+    config: dict, rank: int, alpha: float, device, seed: int = 0
+) -> dict:
+    """train_parity.reference.random_lora_state's distribution, generated on the device."""
     import torch
     from diffusers import QwenImageTransformer2DModel
     from torch import nn
 
-    from tests.reference_qwen import _LORA_DELTA_GAIN, is_lora_target
+    from sglang.multimodal_gen.train_parity.reference import (
+        _LORA_DELTA_GAIN,
+        is_lora_target,
+    )
 
     with torch.device("meta"):
         meta = QwenImageTransformer2DModel(**config)
@@ -101,7 +109,9 @@ def make_inputs(config: dict, grid: tuple[int, int], txt: dict, device):
     h, w = grid
     latents = torch.randn(1, h * w, config["in_channels"], generator=g, device=device)
     text = {
-        k: torch.randn(1, n, config["joint_attention_dim"], generator=g, device=device).bfloat16()
+        k: torch.randn(
+            1, n, config["joint_attention_dim"], generator=g, device=device
+        ).bfloat16()
         for k, n in txt.items()
     }
     return latents, text, [[(1, h, w)]]
@@ -177,7 +187,10 @@ def profile_step(step_fn, model, device: str) -> dict:
             total += dev_self
             kernels.append((dev_self, e.count, e.key))
         elif e.key.startswith("mod::"):
-            modules[e.key[5:]] = {"device_ms": round(dev_total / 1e3, 3), "calls": e.count}
+            modules[e.key[5:]] = {
+                "device_ms": round(dev_total / 1e3, 3),
+                "calls": e.count,
+            }
         elif e.key.startswith("aten::") and dev_total > 0:
             aten.append((dev_total, e.count, e.key))
     kernels.sort(reverse=True)
@@ -186,14 +199,29 @@ def profile_step(step_fn, model, device: str) -> dict:
     return {
         "profiled_step_wall_ms": round(profiled_wall_ms, 1),
         "kernel_time_ms": round(total / 1e3, 3),
-        "families_ms": {k: round(v / 1e3, 3) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])},
-        "families_share": {k: round(v / total, 4) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])} if total else {},
+        "families_ms": {
+            k: round(v / 1e3, 3) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])
+        },
+        "families_share": (
+            {
+                k: round(v / total, 4)
+                for k, v in sorted(fams.items(), key=lambda kv: -kv[1])
+            }
+            if total
+            else {}
+        ),
         "top_kernels": [
-            {"ms": round(t / 1e3, 3), "calls": c, "family": family(k), "name": k[:160]} for t, c, k in kernels[:25]
+            {"ms": round(t / 1e3, 3), "calls": c, "family": family(k), "name": k[:160]}
+            for t, c, k in kernels[:25]
         ],
-        "top_aten_ops_inclusive": [{"ms": round(t / 1e3, 3), "calls": c, "op": k} for t, c, k in aten[:25]],
+        "top_aten_ops_inclusive": [
+            {"ms": round(t / 1e3, 3), "calls": c, "op": k} for t, c, k in aten[:25]
+        ],
         "module_classes_inclusive": modules,
-        "top_cpu_self_ms": [{"ms": round(t / 1e3, 3), "calls": c, "name": k[:120]} for t, c, k in cpu_rows[:20]],
+        "top_cpu_self_ms": [
+            {"ms": round(t / 1e3, 3), "calls": c, "name": k[:120]}
+            for t, c, k in cpu_rows[:20]
+        ],
         "kernel_launches": sum(c for _, c, _ in kernels),
         "note": "one CFG step (two forwards); families from kernel names; module classes inclusive of their children",
     }
@@ -209,7 +237,9 @@ def time_steps(step_fn, warmup: int, steps: int, device: str) -> list[float]:
     times = []
     for i in range(steps):
         if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True
+            )
             start.record()
             step_fn(warmup + i)
             end.record()
@@ -232,7 +262,10 @@ def timesteps_for(n: int, device):
 def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harness=None):
     import torch
 
-    from tests.qwen_parity_run import push_lora, wrap_linears_for_lora
+    from sglang.multimodal_gen.train_parity.sglang_dit import (
+        push_lora,
+        wrap_linears_for_lora,
+    )
 
     kwargs = {"numerics": numerics}
     if numerics == "default" and device == "cuda":
@@ -259,13 +292,24 @@ def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harnes
 
 def fork_step_fn(model, config, grid, txt, device):
     import torch
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import QwenImagePipelineConfig
-    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+
+    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
+        QwenImagePipelineConfig,
+    )
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
 
     latents, text, img_shapes = make_inputs(config, grid, txt, device)
     latents = latents.bfloat16()
     freqs = {
-        k: QwenImagePipelineConfig.get_freqs_cis(img_shapes, [t.shape[1]], model.rotary_emb, torch.device(device), torch.bfloat16)
+        k: QwenImagePipelineConfig.get_freqs_cis(
+            img_shapes,
+            [t.shape[1]],
+            model.rotary_emb,
+            torch.device(device),
+            torch.bfloat16,
+        )
         for k, t in text.items()
     }
     ts = timesteps_for(64, device)
@@ -273,7 +317,9 @@ def fork_step_fn(model, config, grid, txt, device):
     def step(i):
         t = ts[i % len(ts)]
         outs = {}
-        with torch.no_grad(), set_forward_context(current_timestep=i, attn_metadata=None, forward_batch=None):
+        with torch.no_grad(), set_forward_context(
+            current_timestep=i, attn_metadata=None, forward_batch=None
+        ):
             for k in ("cond", "uncond"):
                 outs[k] = model(
                     hidden_states=latents,
@@ -295,7 +341,11 @@ def build_diffusers(config: dict, device: str):
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-    from tests.reference_qwen import ADAPTER, LORA_TARGETS, _rebuild_rope_tables
+    from sglang.multimodal_gen.train_parity.reference import (
+        ADAPTER,
+        LORA_TARGETS,
+        _rebuild_rope_tables,
+    )
 
     with torch.device("meta"):
         model = QwenImageTransformer2DModel(**config).to(torch.bfloat16)
@@ -303,7 +353,11 @@ def build_diffusers(config: dict, device: str):
     gpu_common.randomize_(model, 0, device)
     _rebuild_rope_tables(model.pos_embed, torch.device(device))
     lora_config = LoraConfig(
-        r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS), lora_dropout=0.0, init_lora_weights="gaussian"
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        target_modules=list(LORA_TARGETS),
+        lora_dropout=0.0,
+        init_lora_weights="gaussian",
     )
     inject_adapter_in_model(lora_config, model, adapter_name=ADAPTER)
     state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device)
@@ -311,13 +365,15 @@ def build_diffusers(config: dict, device: str):
     del state
     model = model.to(dtype=torch.bfloat16).eval()
     model.set_attention_backend("_native_flash" if device == "cuda" else "native")
-    return model, {"attention_backend": "_native_flash" if device == "cuda" else "native"}
+    return model, {
+        "attention_backend": "_native_flash" if device == "cuda" else "native"
+    }
 
 
 def diffusers_step_fn(model, config, grid, txt, device):
     import torch
 
-    from tests.autocast_emulation import cuda_autocast
+    from sglang.multimodal_gen.train_parity.autocast_emulation import cuda_autocast
 
     latents, text, img_shapes = make_inputs(config, grid, txt, device)
     ts = timesteps_for(64, device)
@@ -351,16 +407,23 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--jit", default="off", choices=("off", "compile"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/speed"))
-    parser.add_argument("--out", type=Path, default=REPO / "benchmark/results/speed.json")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmark/results/speed.json"
+    )
     args = parser.parse_args()
     t_start = time.monotonic()
     gpu_common.setup(args.device, args.jit)
     import torch
 
-    config = dict(gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG, num_layers=args.layers)
+    config = dict(
+        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
+        num_layers=args.layers,
+    )
     grid = (8, 8) if args.tiny else (64, 64)
     txt = TXT_LEN_TINY if args.tiny else TXT_LEN
-    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image-speed", config)
+    model_dir = gpu_common.write_config_only_model_dir(
+        args.workdir / "qwen-image-speed", config
+    )
     result = {
         "script": "benchmark/speed.py",
         "argv": sys.argv[1:],
@@ -370,7 +433,12 @@ def main() -> int:
         "text_tokens": txt,
         "batch": 1,
         "cfg": "two forwards per step (cond, uncond) + combine",
-        "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "all 12 per block", "merged": False},
+        "lora": {
+            "rank": LORA_RANK,
+            "alpha": LORA_ALPHA,
+            "targets": "all 12 per block",
+            "merged": False,
+        },
         "steps_timed": args.steps,
         "warmup_steps": args.warmup,
         "variants": {},
@@ -392,18 +460,24 @@ def main() -> int:
         try:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-                entry["leftover_gib_before_build"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+                entry["leftover_gib_before_build"] = round(
+                    torch.cuda.memory_allocated() / 2**30, 2
+                )
                 torch.cuda.reset_peak_memory_stats()
             if variant == "diffusers":
                 model, info = build_diffusers(config, args.device)
                 step = diffusers_step_fn(model, config, grid, txt, args.device)
             else:
-                model, info = build_fork(variant, config, model_dir, args.device, harness)
+                model, info = build_fork(
+                    variant, config, model_dir, args.device, harness
+                )
                 step = fork_step_fn(model, config, grid, txt, args.device)
             entry.update(info)
             if args.device == "cuda":
                 entry["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-                entry["build_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                entry["build_peak_gib"] = round(
+                    torch.cuda.max_memory_allocated() / 2**30, 2
+                )
                 torch.cuda.reset_peak_memory_stats()
             entry["build_s"] = round(time.monotonic() - t0, 1)
             t1 = time.monotonic()
@@ -419,7 +493,9 @@ def main() -> int:
             if args.device == "cuda":
                 # peak while stepping (weights + activations), build transients excluded
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                entry["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+                entry["peak_reserved_gib"] = round(
+                    torch.cuda.max_memory_reserved() / 2**30, 2
+                )
             if not args.no_profile:
                 entry["profile"] = profile_step(step, model, args.device)
         except Exception:  # noqa: BLE001
@@ -427,37 +503,64 @@ def main() -> int:
         if harness is not None:
             entry["fallbacks"] = harness.report()
         entry["wall_s"] = round(time.monotonic() - t0, 1)
-        model = step = harness = None  # the step closure and the harness wrappers hold the model
+        model = step = harness = (
+            None  # the step closure and the harness wrappers hold the model
+        )
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
         save()
-        print(f"{variant}: median {entry.get('step_ms_median')} ms/step, peak {entry.get('peak_gib')} GiB, wall {entry['wall_s']} s", flush=True)
+        print(
+            f"{variant}: median {entry.get('step_ms_median')} ms/step, peak {entry.get('peak_gib')} GiB, wall {entry['wall_s']} s",
+            flush=True,
+        )
 
     v = result["variants"]
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     if med.get("train_parity") and med.get("default"):
-        result["train_parity_over_default"] = round(med["train_parity"] / med["default"], 3)
+        result["train_parity_over_default"] = round(
+            med["train_parity"] / med["default"], 3
+        )
     if med.get("train_parity") and med.get("diffusers"):
-        result["train_parity_over_diffusers"] = round(med["train_parity"] / med["diffusers"], 3)
+        result["train_parity_over_diffusers"] = round(
+            med["train_parity"] / med["diffusers"], 3
+        )
     # family-level gap: where train_parity spends more kernel time than the default path
     kt = {k: ((e.get("profile") or {}).get("kernel_time_ms")) for k, e in v.items()}
     result["kernel_time_ms_per_step"] = kt
     if kt.get("train_parity") and kt.get("default"):
-        result["train_parity_over_default_kernel_time"] = round(kt["train_parity"] / kt["default"], 3)
+        result["train_parity_over_default_kernel_time"] = round(
+            kt["train_parity"] / kt["default"], 3
+        )
     prof_tp = (v.get("train_parity") or {}).get("profile") or {}
     prof_df = (v.get("default") or {}).get("profile") or {}
     if prof_tp.get("families_ms") and prof_df.get("families_ms"):
         fams = set(prof_tp["families_ms"]) | set(prof_df["families_ms"])
-        gap = {f: round(prof_tp["families_ms"].get(f, 0) - prof_df["families_ms"].get(f, 0), 3) for f in fams}
-        result["family_gap_ms_train_parity_minus_default"] = dict(sorted(gap.items(), key=lambda kv: -kv[1]))
+        gap = {
+            f: round(
+                prof_tp["families_ms"].get(f, 0) - prof_df["families_ms"].get(f, 0), 3
+            )
+            for f in fams
+        }
+        result["family_gap_ms_train_parity_minus_default"] = dict(
+            sorted(gap.items(), key=lambda kv: -kv[1])
+        )
     save()
     print(f"wrote {args.out}")
-    print(f"{'variant':14s} {'median ms/step':>15s} {'p10':>9s} {'p90':>9s} {'peak GiB':>9s}")
+    print(
+        f"{'variant':14s} {'median ms/step':>15s} {'p10':>9s} {'p90':>9s} {'peak GiB':>9s}"
+    )
     for k, e in v.items():
-        print(f"{k:14s} {e.get('step_ms_median')!s:>15s} {e.get('step_ms_p10')!s:>9s} {e.get('step_ms_p90')!s:>9s} {e.get('peak_gib')!s:>9s}")
-    for k in ("train_parity_over_default", "train_parity_over_diffusers", "kernel_time_ms_per_step",
-              "train_parity_over_default_kernel_time", "family_gap_ms_train_parity_minus_default"):
+        print(
+            f"{k:14s} {e.get('step_ms_median')!s:>15s} {e.get('step_ms_p10')!s:>9s} {e.get('step_ms_p90')!s:>9s} {e.get('peak_gib')!s:>9s}"
+        )
+    for k in (
+        "train_parity_over_default",
+        "train_parity_over_diffusers",
+        "kernel_time_ms_per_step",
+        "train_parity_over_default_kernel_time",
+        "family_gap_ms_train_parity_minus_default",
+    ):
         if k in result:
             print(k, result[k])
     for k, err in result["errors"].items():

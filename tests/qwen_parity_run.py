@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault(
@@ -24,144 +23,27 @@ os.environ.setdefault(
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.cpu_kernel_standins import register_cpu_kernel_standins  # noqa: E402
-from tests.dit_forward import _single_process_env, load_dit  # noqa: E402
-from tests.reference_qwen import (  # noqa: E402
-    Pairing,
+from sglang.multimodal_gen.train_parity.compare import compare_modules  # noqa: E402
+from sglang.multimodal_gen.train_parity.cpu_kernels import (  # noqa: E402
+    register_cpu_kernels,
+)
+from sglang.multimodal_gen.train_parity.reference import (  # noqa: E402
     QwenDiTInputs,
     build_reference,
     random_lora_state,
     reference_forward,
-    sglang_to_diffusers,
+)
+from sglang.multimodal_gen.train_parity.sglang_dit import (  # noqa: E402
+    load_dit,
+    push_lora,
+    sglang_forward,
+    wrap_linears_for_lora,
 )
 
 IMG_H = IMG_W = 8
 TXT_LEN = {"cond": 7, "uncond": 5}  # odd lengths, different per branch, as real prompts
 TIMESTEPS = (999.0, 500.0)
 BATCHES = (1, 2)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance in bf16 units in the last place (0 = bitwise equal)."""
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -32768 - bits, bits)  # monotonic, -0.0 == +0.0
-
-    return int((ordered(a) - ordered(b)).abs().max()) if a.numel() else 0
-
-
-def compare(
-    sgl: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], lora: bool
-) -> list[dict]:
-    """Per paired module, in sglang's execution order: equal, dtype, max ULP."""
-    pairs = []
-    for name, out in sgl.items():
-        pair = sglang_to_diffusers(name, lora=lora)
-        if pair.pairing in (Pairing.DIFFERENT, Pairing.SGLANG_ONLY):
-            continue
-        theirs = ref.get(pair.diffusers)
-        if theirs is None:
-            continue
-        if pair.pairing is Pairing.RESHAPED:
-            theirs = theirs.reshape(out.shape)
-        elif pair.pairing is Pairing.ROUNDED:
-            theirs = theirs.to(out.dtype)
-        same_layout = out.dtype == theirs.dtype and out.shape == theirs.shape
-        pairs.append(
-            {
-                "sglang": name,
-                "diffusers": pair.diffusers,
-                "dtype": str(out.dtype),
-                "equal": same_layout and torch.equal(out, theirs),
-                "max_ulp": (
-                    ulp_distance(out, theirs)
-                    if same_layout and out.dtype == torch.bfloat16
-                    else None
-                ),
-            }
-        )
-    return pairs
-
-
-def sglang_forward(model, inputs: QwenDiTInputs):
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-        QwenImagePipelineConfig,
-    )
-    from sglang.multimodal_gen.runtime.managers.forward_context import (
-        set_forward_context,
-    )
-
-    outputs: dict[str, torch.Tensor] = {}
-
-    def record(name):
-        def hook(module, args, out):
-            out = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(out, torch.Tensor):
-                outputs.setdefault(name, out.detach().clone())
-
-        return hook
-
-    handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
-    batch, txt_len = inputs.text.shape[:2]
-    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-        inputs.img_shapes,
-        [txt_len] * batch,
-        model.rotary_emb,
-        torch.device("cpu"),
-        torch.bfloat16,
-    )
-    try:
-        with torch.no_grad(), set_forward_context(
-            current_timestep=0, attn_metadata=None, forward_batch=None
-        ):
-            output = model(
-                hidden_states=inputs.latents.bfloat16(),
-                encoder_hidden_states=inputs.text,
-                encoder_hidden_states_mask=None,
-                timestep=inputs.timestep,
-                img_shapes=inputs.img_shapes,
-                txt_seq_lens=[txt_len] * batch,
-                freqs_cis=freqs_cis,
-                freqs_complex=freqs_complex,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    outputs[""] = output
-    return outputs
-
-
-def wrap_linears_for_lora(model, numerics: str) -> None:
-    """What LoRAPipeline.convert_module_lora_layers does on the first IPC LoRA update."""
-    from sglang.multimodal_gen.runtime.layers.lora.linear import (
-        replace_submodule,
-        wrap_with_lora_layer,
-    )
-    from sglang.multimodal_gen.runtime.utils.numerics_mode import numerics_mode_context
-
-    for name, layer in list(model.named_modules()):
-        with numerics_mode_context(numerics):
-            wrapped = wrap_with_lora_layer(layer)
-        if wrapped is not None:
-            replace_submodule(model, name, wrapped)
-
-
-def push_lora(
-    model, state: dict[str, torch.Tensor], rank: int, alpha: int, merge: bool
-):
-    """The weight updater's plain-pair path: rank from the tensors, alpha from the request."""
-    for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
-        prefix = key.removesuffix(".lora_A.weight")
-        layer = model.get_submodule(prefix)
-        layer.lora_rank, layer.lora_alpha = rank, alpha
-        layer.set_lora_weights(
-            state[key],
-            state[f"{prefix}.lora_B.weight"],
-            merge_weights=merge,
-            clear_existing=True,
-        )
 
 
 def main() -> None:
@@ -178,10 +60,8 @@ def main() -> None:
     )  # scale 1.5: not a power of two
     parser.add_argument("--lora-merge-mode", default="dynamic")
     args = parser.parse_args()
-    _single_process_env()
-    register_cpu_kernel_standins()  # only upstream's default norm path calls them
-
-    model = load_dit(args.model_dir, args.numerics)
+    register_cpu_kernels()  # only upstream's default norm path calls them
+    model = load_dit(args.model_dir, numerics=args.numerics)
     from diffusers import QwenImageTransformer2DModel
 
     masters = QwenImageTransformer2DModel.from_pretrained(
@@ -223,7 +103,7 @@ def main() -> None:
                     )
                     ours = sglang_forward(model, inputs)
                     _, theirs = reference_forward(reference, inputs, "cpu")
-                    pairs = compare(ours, theirs, lora)
+                    pairs = compare_modules(ours, theirs, lora)
                     root = next(p for p in pairs if p["sglang"] == "")
                     records.append(
                         {

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
+from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
 from tests.conftest import run
-from tests.tiny_qwen import write_tiny_qwen_image
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_CLI = Path(sys.executable).parent / "sglang"
@@ -22,7 +22,7 @@ SGLANG_CLI = Path(sys.executable).parent / "sglang"
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return write_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image"))
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image"))
 
 
 @pytest.fixture
@@ -345,7 +345,7 @@ def test_default_mode_bits_equal_unpatched_upstream(
     )
     assert Path(upstream["sglang_file"]).is_relative_to(pristine_package)
     assert not Path(fork["sglang_file"]).is_relative_to(pristine_package)
-    assert fork["standin_calls"] == upstream["standin_calls"] != {}
+    assert fork["kernel_calls"] == upstream["kernel_calls"] != {}
     outputs = fork["outputs"]
     assert {"b1/<root>", "b2/<root>", "b2/transformer_blocks.1.attn"} <= outputs.keys()
     assert _differing(outputs, upstream["outputs"]) == []

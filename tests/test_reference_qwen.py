@@ -1,4 +1,4 @@
-"""The training-side reference (tests/reference_qwen.py) is what the train-side contract says, and its
+"""The training-side reference (sglang.multimodal_gen.train_parity.reference) is what the train-side contract says, and its
 sglang -> diffusers module map fits a real sglang Qwen-Image DiT. CPU only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.reference_qwen import (
+from sglang.multimodal_gen.train_parity.reference import (
     LORA_TARGETS,
     SGLANG_TO_DIFFUSERS,
     Pairing,
@@ -23,7 +23,11 @@ from tests.reference_qwen import (
     reference_forward,
     sglang_to_diffusers,
 )
-from tests.tiny_qwen import TINY_DIT_CONFIG, random_tiny_dit, write_tiny_qwen_image
+from sglang.multimodal_gen.train_parity.tiny_model import (
+    DIT_CONFIG,
+    build_tiny_qwen_image,
+    random_transformer,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RANK, ALPHA = 8, 12.0  # s = 1.5: the x s step rounds (s = 2 would be exact)
@@ -32,13 +36,13 @@ INPUTS = dict(batch=2, height=8, width=8, txt_len=7, joint_dim=64)
 
 @pytest.fixture(scope="module")
 def lora_reference():
-    model = random_tiny_dit()
+    model = random_transformer()
     masters = random_lora_state(model, RANK, ALPHA, seed=1)
     return build_reference(model, masters, RANK, ALPHA), masters
 
 
 def test_lora_targets_are_the_diffusers_projections():
-    names = [n for n, _ in random_tiny_dit().named_modules()]
+    names = [n for n, _ in random_transformer().named_modules()]
     block0 = "transformer_blocks.0."
     targets = {
         n.removeprefix(block0)
@@ -46,7 +50,7 @@ def test_lora_targets_are_the_diffusers_projections():
         if n.startswith(block0) and is_lora_target(n)
     }
     assert targets == {f"attn.{t}" for t in LORA_TARGETS[:8]} | set(LORA_TARGETS[8:])
-    assert sum(map(is_lora_target, names)) == 12 * TINY_DIT_CONFIG["num_layers"]
+    assert sum(map(is_lora_target, names)) == 12 * DIT_CONFIG["num_layers"]
 
 
 def test_lora_linear_is_base_plus_peft_ordered_delta(lora_reference):
@@ -81,7 +85,7 @@ def test_lora_linear_is_base_plus_peft_ordered_delta(lora_reference):
 
 
 def test_params_are_bf16_roundings_of_fp32_masters():
-    master = random_tiny_dit().float()
+    master = random_transformer().float()
     with torch.no_grad():  # fp32 values that bf16 cannot hold, so the rounding is visible
         for param in master.parameters():
             param.add_(torch.randn_like(param) * 1e-4)
@@ -102,59 +106,17 @@ def test_params_are_bf16_roundings_of_fp32_masters():
     assert all(not torch.equal(v, v.bfloat16().float()) for v in lora.values())
 
 
-def sglang_forward(model_dir: Path, out: Path) -> None:
+def run_sglang_dit(model_dir: Path, out: Path) -> None:
     """Subprocess body: the fork's DiT (train_parity) on `INPUTS`; saves every module's output and,
     after wrapping every Linear like the LoRA weight updater does, every module name."""
-    from tests.cpu_kernel_standins import register_cpu_kernel_standins
-    from tests.dit_forward import _single_process_env, load_dit
-
-    _single_process_env()
-    register_cpu_kernel_standins()
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-        QwenImagePipelineConfig,
-    )
     from sglang.multimodal_gen.runtime.layers.lora.linear import (
         replace_submodule,
         wrap_with_lora_layer,
     )
-    from sglang.multimodal_gen.runtime.managers.forward_context import (
-        set_forward_context,
-    )
+    from sglang.multimodal_gen.train_parity.sglang_dit import load_dit, sglang_forward
 
-    model = load_dit(model_dir, "train_parity")
-    inputs = QwenDiTInputs.random(**INPUTS)
-    outputs = {}
-
-    def record(name):
-        def hook(module, args, result):
-            result = result[0] if isinstance(result, (tuple, list)) else result
-            outputs[name] = result.detach().clone()
-
-        return hook
-
-    for name, module in model.named_modules():
-        module.register_forward_hook(record(name))
-    txt_lens = [INPUTS["txt_len"]] * INPUTS["batch"]
-    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-        inputs.img_shapes,
-        txt_lens,
-        model.rotary_emb,
-        torch.device("cpu"),
-        torch.bfloat16,
-    )
-    with torch.no_grad(), set_forward_context(
-        current_timestep=0, attn_metadata=None, forward_batch=None
-    ):
-        model(
-            hidden_states=inputs.latents.bfloat16(),  # sglang's latents arrive as bf16
-            encoder_hidden_states=inputs.text,
-            encoder_hidden_states_mask=None,
-            timestep=inputs.timestep,
-            img_shapes=inputs.img_shapes,
-            txt_seq_lens=txt_lens,
-            freqs_cis=freqs_cis,
-            freqs_complex=freqs_complex,
-        )
+    model = load_dit(model_dir, numerics="train_parity")
+    outputs = sglang_forward(model, QwenDiTInputs.random(**INPUTS))
     for name, module in list(model.named_modules()):
         wrapped = wrap_with_lora_layer(module, lora_rank=RANK, lora_alpha=ALPHA)
         if wrapped is not None:
@@ -166,12 +128,12 @@ def sglang_forward(model_dir: Path, out: Path) -> None:
 @pytest.fixture(scope="module")
 def sglang_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang_dit")
-    model_dir = write_tiny_qwen_image(tmp / "tiny")
+    model_dir = build_tiny_qwen_image(tmp / "tiny-qwen-image")
     out = tmp / "sglang.pt"
     code = (
         "import sys; from pathlib import Path; "
-        "from tests.test_reference_qwen import sglang_forward; "
-        "sglang_forward(Path(sys.argv[1]), Path(sys.argv[2]))"
+        "from tests.test_reference_qwen import run_sglang_dit; "
+        "run_sglang_dit(Path(sys.argv[1]), Path(sys.argv[2]))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, str(model_dir), str(out)],
@@ -187,13 +149,13 @@ def test_name_map_covers_the_lora_wrapped_sglang_dit(sglang_run):
     names = sglang_run["names"]
     assert any(n.endswith("attn.to_q.base_layer") for n in names), "no LoRA wrappers"
     with_lora = build_reference(
-        random_tiny_dit(),
-        random_lora_state(random_tiny_dit(), RANK, ALPHA, 0),
+        random_transformer(),
+        random_lora_state(random_transformer(), RANK, ALPHA, 0),
         RANK,
         ALPHA,
     )
     lora_names = {n for n, _ in with_lora.named_modules()}
-    plain_names = {n for n, _ in random_tiny_dit().named_modules()}
+    plain_names = {n for n, _ in random_transformer().named_modules()}
     for name in names:
         pair = sglang_to_diffusers(name)  # KeyError: a module the map does not know
         if pair.diffusers is None:
@@ -211,7 +173,7 @@ def test_paired_outputs_have_matching_layout(sglang_run):
     """Every pair whose outputs both sides record has the shape (and dtype) its pairing claims; the
     pre-block outputs are already bitwise equal, which pins the input conventions (t / 1000, dtypes).
     """
-    model = build_reference(random_tiny_dit())
+    model = build_reference(random_transformer())
     _, reference = reference_forward(model, QwenDiTInputs.random(**INPUTS), "cpu")
     compared = set()
     for name, out in sglang_run["outputs"].items():

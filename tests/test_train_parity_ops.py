@@ -47,8 +47,12 @@ from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import (  # noqa
 from sglang.multimodal_gen.runtime.utils.numerics_mode import (  # noqa: E402
     numerics_mode_context,
 )
-from tests.autocast_emulation import cuda_autocast  # noqa: E402
-from tests.cpu_kernel_standins import register_cpu_kernel_standins  # noqa: E402
+from sglang.multimodal_gen.train_parity.autocast_emulation import (  # noqa: E402
+    cuda_autocast,
+)
+from sglang.multimodal_gen.train_parity.cpu_kernels import (  # noqa: E402
+    register_cpu_kernels,
+)
 from tests.tp_lora import (  # noqa: E402
     BF16,
     IN_FEATURES,
@@ -73,7 +77,7 @@ GRID_IDS = [f"b{b}-s{s}-{layout}" for b, s, layout in GRID]
 @pytest.fixture(scope="module", autouse=True)
 def cpu_runtime():
     # Upstream's default CPU norm path calls sgl_kernel CPU ops; the stand-ins make it runnable.
-    register_cpu_kernel_standins()
+    register_cpu_kernels()
     # TORCH_COMPILE_DISABLE only counts if set before torch._dynamo's config was first imported
     # (another test module may have done it); dynamo reads this flag at call time.
     with torch._dynamo.config.patch(disable=True):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
 from tests.conftest import run
-from tests.tiny_qwen import write_tiny_qwen_image
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     # sglang recognises the model family from the folder name (and model_index.json)
-    return write_tiny_qwen_image(tmp_path_factory.mktemp("parity") / "tiny-qwen-image")
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("parity") / "tiny-qwen-image")
 
 
 def parity_run(model: Path, out: Path, *args: str) -> list[dict]:

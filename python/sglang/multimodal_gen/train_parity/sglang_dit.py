@@ -8,11 +8,14 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
+if TYPE_CHECKING:  # imports of upstream modules stay inside the functions, so this file
+    # also runs against a pristine upstream sglang (the tests' negative controls)
+    from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
 
 
 def init_single_process(device: str = "cpu") -> None:
@@ -115,7 +118,7 @@ def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
 
 
 def sglang_forward(
-    model: nn.Module, inputs: QwenDiTInputs, device: str = "cpu"
+    model: nn.Module, inputs: "QwenDiTInputs", device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """One forward as sglang's denoising stage makes it; every module's output by name."""
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
@@ -126,16 +129,17 @@ def sglang_forward(
     )
 
     batch, txt_len = inputs.text.shape[:2]
-    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-        inputs.img_shapes,
-        [txt_len] * batch,
-        model.rotary_emb,
-        torch.device(device),
-        torch.bfloat16,
-    )
     outputs: dict[str, torch.Tensor] = {}
     handles = record_outputs(model, outputs)
     try:
+        # the pipeline config calls the model's rotary_emb: recorded too
+        freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
+            inputs.img_shapes,
+            [txt_len] * batch,
+            model.rotary_emb,
+            torch.device(device),
+            torch.bfloat16,
+        )
         with torch.no_grad(), set_forward_context(
             current_timestep=0, attn_metadata=None, forward_batch=None
         ):
