@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|all]
 #
 # Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
 # built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
@@ -38,6 +38,20 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     src=$?
     echo "speed exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
+fi
+if [ "$what" = tool ]; then
+    # the shipped `sglang parity-check` on the GPU (real autocast, _native_flash), tiny model built there
+    for rope in cpu device; do
+        timeout "${TOOL_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
+from benchmark import gpu_standins; gpu_standins.install()
+from sglang.multimodal_gen.train_parity.check import main; main(sys.argv[1:])' \
+            --device cuda --train-parity-rope-tables "$rope" --batch-sizes 1,2 --text-lengths 7,13 \
+            --image-sizes 128,256x128 --timesteps 999,500 --out-dir "$OUT/parity-check-$rope" \
+            >"$OUT/parity-check-$rope.log" 2>&1
+        trc=$?
+        echo "parity-check (rope tables $rope) exit $trc"; rc=$((rc | trc))
+        grep -E "^(PASS|FAIL)|^case|^b[0-9]" "$OUT/parity-check-$rope.log" | tail -12
+    done
 fi
 nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv,noheader
 exit $rc
