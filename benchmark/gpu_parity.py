@@ -184,40 +184,15 @@ class Comparator:
 
 
 def fork_forward(model, inputs, device: str, comparator: Comparator):
-    import torch
-
-    from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-        QwenImagePipelineConfig,
-    )
-    from sglang.multimodal_gen.runtime.managers.forward_context import (
-        set_forward_context,
-    )
+    """The fork's forward (train_parity.sglang_dit.run_dit) with each module's output compared as
+    it is produced: only statistics stay on the GPU."""
+    from sglang.multimodal_gen.train_parity.sglang_dit import run_dit
 
     handles = [
         m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
     ]
-    batch, txt_len = inputs.text.shape[:2]
     try:
-        freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-            inputs.img_shapes,
-            [txt_len] * batch,
-            model.rotary_emb,
-            torch.device(device),
-            torch.bfloat16,
-        )
-        with torch.no_grad(), set_forward_context(
-            current_timestep=0, attn_metadata=None, forward_batch=None
-        ):
-            output = model(
-                hidden_states=inputs.latents.to(device, torch.bfloat16),
-                encoder_hidden_states=inputs.text.to(device),
-                encoder_hidden_states_mask=None,
-                timestep=inputs.timestep.to(device),
-                img_shapes=inputs.img_shapes,
-                txt_seq_lens=[txt_len] * batch,
-                freqs_cis=freqs_cis,
-                freqs_complex=freqs_complex,
-            )
+        output = run_dit(model, inputs, device)
     finally:
         for h in handles:
             h.remove()

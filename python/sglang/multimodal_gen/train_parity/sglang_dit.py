@@ -117,10 +117,10 @@ def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
     return [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
 
 
-def sglang_forward(
+def run_dit(
     model: nn.Module, inputs: "QwenDiTInputs", device: str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """One forward as sglang's denoising stage makes it; every module's output by name."""
+) -> torch.Tensor:
+    """One forward as sglang's denoising stage makes it (hooks on `model` see every module)."""
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
         QwenImagePipelineConfig,
     )
@@ -129,32 +129,38 @@ def sglang_forward(
     )
 
     batch, txt_len = inputs.text.shape[:2]
+    # the pipeline config calls the model's rotary_emb
+    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
+        inputs.img_shapes,
+        [txt_len] * batch,
+        model.rotary_emb,
+        torch.device(device),
+        torch.bfloat16,
+    )
+    with torch.no_grad(), set_forward_context(
+        current_timestep=0, attn_metadata=None, forward_batch=None
+    ):
+        return model(
+            hidden_states=inputs.latents.to(device, torch.bfloat16),
+            encoder_hidden_states=inputs.text.to(device),
+            encoder_hidden_states_mask=None,
+            timestep=inputs.timestep.to(device),
+            img_shapes=inputs.img_shapes,
+            txt_seq_lens=[txt_len] * batch,
+            freqs_cis=freqs_cis,
+            freqs_complex=freqs_complex,
+        )
+
+
+def sglang_forward(
+    model: nn.Module, inputs: "QwenDiTInputs", device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """`run_dit` with every module's output recorded by name ("" = the output)."""
     outputs: dict[str, torch.Tensor] = {}
     handles = record_outputs(model, outputs)
     try:
-        # the pipeline config calls the model's rotary_emb: recorded too
-        freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-            inputs.img_shapes,
-            [txt_len] * batch,
-            model.rotary_emb,
-            torch.device(device),
-            torch.bfloat16,
-        )
-        with torch.no_grad(), set_forward_context(
-            current_timestep=0, attn_metadata=None, forward_batch=None
-        ):
-            output = model(
-                hidden_states=inputs.latents.to(device, torch.bfloat16),
-                encoder_hidden_states=inputs.text.to(device),
-                encoder_hidden_states_mask=None,
-                timestep=inputs.timestep.to(device),
-                img_shapes=inputs.img_shapes,
-                txt_seq_lens=[txt_len] * batch,
-                freqs_cis=freqs_cis,
-                freqs_complex=freqs_complex,
-            )
+        outputs[""] = run_dit(model, inputs, device)
     finally:
         for handle in handles:
             handle.remove()
-    outputs[""] = output
     return outputs
