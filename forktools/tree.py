@@ -108,9 +108,11 @@ def open_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> list[Patch]:
     return patches
 
 
-def _slug(subject: str) -> str:
+def _slug(subject: str, limit: int = 60) -> str:
+    """File-name form of a subject: tags dropped, lower-case words joined by '-', whole words."""
     subject = re.sub(r"^(\[[^\]]*\]\s*)+", "", subject)
-    return re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:60].rstrip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
+    return slug if len(slug) <= limit else slug[: limit + 1].rsplit("-", 1)[0]
 
 
 def export_tree(
