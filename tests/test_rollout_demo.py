@@ -90,6 +90,8 @@ def test_demo_stops_its_server_on_ctrl_c(model_dir, tmp_path):
             "--model-dir",
             str(model_dir),
             "--skip-default",
+            "--updates",
+            "30",  # ~40 s of rollouts: Ctrl-C lands mid-run, not after a short run ended
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
