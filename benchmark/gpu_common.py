@@ -93,12 +93,17 @@ def randomize_(model, seed: int, device) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("weight") and "norm" in name:
-                param.uniform_(0.8, 1.2, generator=generator)
-            elif name.endswith("weight") and param.dim() == 2:
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+            _fill_random_(name, param, generator)
+
+
+def _fill_random_(name: str, tensor, generator) -> None:
+    """`randomize_`'s scale for the parameter `name`, drawn into `tensor`."""
+    if name.endswith("weight") and "norm" in name:
+        tensor.uniform_(0.8, 1.2, generator=generator)
+    elif name.endswith("weight") and tensor.dim() == 2:
+        tensor.normal_(0.0, 1.0 / math.sqrt(tensor.shape[1]), generator=generator)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)
 
 
 def write_model_dir(root: Path, config: dict, seed: int, device: str) -> Path:
@@ -154,12 +159,7 @@ def random_weights_iterator(
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in reference.named_parameters():
         t = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
-        if name.endswith("weight") and "norm" in name:
-            t.uniform_(0.8, 1.2, generator=generator)
-        elif name.endswith("weight") and param.dim() == 2:
-            t.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
-        else:
-            t.normal_(0.0, 0.02, generator=generator)
+        _fill_random_(name, t, generator)
         yield name, t
 
 
