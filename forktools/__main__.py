@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forktools.series import PatchError, apply_patch, new_files, read_series
+from forktools.series import PatchError, apply_series, read_series
 from forktools.tree import export_tree, export_upstream_diffs, open_tree, rebase_tree
 from forktools.upstream import UPSTREAM_WHEEL_ENV, UpstreamError, load_pin, obtain_wheel
 from forktools.wheelbuild import build_wheel
@@ -76,11 +76,11 @@ def _run(args: argparse.Namespace) -> int:
 
             unpack(str(wheel), tmp)
             root = Path(tmp) / f"{pin.package}-{pin.version}"
-            patches = read_series()
-            new_files(patches)
-            for patch in patches:
-                changed = apply_patch(patch, root)
-                print(f"{patch.name}: applies exactly ({len(changed)} files)")
+            for patch, changed, added in apply_series(read_series(), root):
+                print(
+                    f"{patch.name}: applies exactly ({len(changed)} files changed, "
+                    f"{len(added)} added)"
+                )
         print(f"series OK against {wheel.name}")
     elif args.command == "open":
         patches = open_tree(pin, obtain_wheel(pin, args.upstream_wheel), args.tree)

@@ -16,13 +16,16 @@ A patch file is a mail-style header followed by a git diff against the upstream 
     ---
     diff --git a/python/sglang/... b/python/sglang/...
 
-Application is strict: every hunk must match the upstream text exactly at the line numbers it
-states (no fuzz, no offset), and patches may only change files that upstream already has.
+Application is strict: every hunk must match the text exactly at the line numbers it states (no
+fuzz, no offset). A patch changes files upstream has and files earlier patches add; the files a
+patch adds live under python/ in their final form (one source of truth), and the text a patch adds
+is that final text with the later patches' hunks on the file undone (`added_file_texts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -129,6 +132,48 @@ def upstream_path(path: str) -> str:
     return path[2:] if path[:2] in ("a/", "b/") else path
 
 
+def _apply_file_hunks(
+    patch: Patch, rel: str, pfile: unidiff.PatchedFile, original: list[str], reverse: bool
+) -> list[str]:
+    """`original` with the hunks of `pfile` applied exactly (undone when `reverse`)."""
+    out: list[str] = []
+    pos = 0  # index into `original` of the next line not yet copied
+    for index, hunk in enumerate(pfile, start=1):
+        source, new = _hunk_lines(hunk)
+        start, length = hunk.source_start, hunk.source_length
+        if reverse:
+            source, new = new, source
+            start, length = hunk.target_start, hunk.target_length
+        start = start - 1 if length else start
+        if start < pos:
+            raise PatchError(
+                f"{_hunk_label(patch, rel, index, hunk)}: overlaps the previous hunk"
+            )
+        actual = original[start : start + len(source)]
+        if actual != source:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(actual, source)) if a != b),
+                len(actual),
+            )
+            found = actual[first] if first < len(actual) else "<end of file>"
+            raise PatchError(
+                f"{_hunk_label(patch, rel, index, hunk)} does not "
+                f"{'undo' if reverse else 'apply'} exactly: line "
+                f"{start + first + 1} is {found!r}, the patch expects "
+                f"{source[first] if first < len(source) else '<end of file>'!r}"
+            )
+        out += original[pos:start] + new
+        pos = start + len(source)
+    return out + original[pos:]
+
+
+def _parse_diff(patch: Patch) -> unidiff.PatchSet:
+    try:
+        return unidiff.PatchSet(patch.diff)
+    except unidiff.UnidiffParseError as e:
+        raise PatchError(f"{patch.name}: cannot parse the diff: {e}") from e
+
+
 def apply_patch(
     patch: Patch, package_root: Path, prefix: str = UPSTREAM_PREFIX
 ) -> list[Path]:
@@ -137,15 +182,11 @@ def apply_patch(
     Checks every hunk before writing anything, so a patch that fails leaves the tree unchanged.
     Returns the files it changed.
     """
-    try:
-        files = unidiff.PatchSet(patch.diff)
-    except unidiff.UnidiffParseError as e:
-        raise PatchError(f"{patch.name}: cannot parse the diff: {e}") from e
     results: dict[Path, str] = {}
-    for pfile in files:
+    for pfile in _parse_diff(patch):
         if pfile.is_added_file or pfile.is_removed_file or pfile.is_rename:
             raise PatchError(
-                f"{patch.name}: {pfile.path}: patches only change existing upstream files; "
+                f"{patch.name}: {pfile.path}: patches only change existing files; "
                 f"new files live under python/ and are listed as 'Adds:'"
             )
         rel = upstream_path(pfile.target_file)
@@ -155,36 +196,66 @@ def apply_patch(
         if target in results:
             raise PatchError(f"{patch.name}: {rel} appears twice")
         if not target.is_file():
-            raise PatchError(f"{patch.name}: {rel} does not exist upstream")
+            raise PatchError(
+                f"{patch.name}: {rel} is neither upstream's nor added by an earlier patch"
+            )
         original = target.read_text().splitlines(keepends=True)
-        out: list[str] = []
-        pos = 0  # index into `original` of the next line not yet copied
-        for index, hunk in enumerate(pfile, start=1):
-            source, new = _hunk_lines(hunk)
-            start = hunk.source_start - 1 if hunk.source_length else hunk.source_start
-            if start < pos:
-                raise PatchError(
-                    f"{_hunk_label(patch, rel, index, hunk)}: overlaps the previous hunk"
-                )
-            actual = original[start : start + len(source)]
-            if actual != source:
-                first = next(
-                    (i for i, (a, b) in enumerate(zip(actual, source)) if a != b),
-                    len(actual),
-                )
-                found = actual[first] if first < len(actual) else "<end of file>"
-                raise PatchError(
-                    f"{_hunk_label(patch, rel, index, hunk)} does not apply exactly: line "
-                    f"{start + first + 1} is {found!r}, the patch expects "
-                    f"{source[first] if first < len(source) else '<end of file>'!r}"
-                )
-            out += original[pos:start] + new
-            pos = start + len(source)
-        out += original[pos:]
-        results[target] = "".join(out)
+        results[target] = "".join(
+            _apply_file_hunks(patch, rel, pfile, original, reverse=False)
+        )
     for target, text in results.items():
         target.write_text(text)
     return list(results)
+
+
+def added_file_texts(patches: list[Patch]) -> list[dict[str, str]]:
+    """Per patch of the series, the text of each file it adds, as it adds it: the final text
+    under python/ with the hunks of the later patches that change the file undone."""
+    new_files(patches)
+    texts = []
+    for index, patch in enumerate(patches):
+        files = {}
+        for rel in patch.adds:
+            lines = (NEW_FILES_DIR.parent / rel).read_text().splitlines(keepends=True)
+            for later in reversed(patches[index + 1 :]):
+                for pfile in _parse_diff(later):
+                    if upstream_path(pfile.target_file) == rel:
+                        lines = _apply_file_hunks(later, rel, pfile, lines, reverse=True)
+            files[rel] = "".join(lines)
+        texts.append(files)
+    return texts
+
+
+def apply_series(
+    patches: list[Patch], package_root: Path, prefix: str = UPSTREAM_PREFIX
+) -> list[tuple[Patch, list[Path], list[str]]]:
+    """Apply the whole series to an upstream tree: per patch, the files it adds, then its diff.
+    The result holds every file under python/ in its final form. Returns per patch the files
+    it changed and the ones it added."""
+    applied = []
+    for patch, added in zip(patches, added_file_texts(patches)):
+        write_added_files(added, package_root, prefix)
+        applied.append((patch, apply_patch(patch, package_root, prefix), list(added)))
+    for rel in new_files(patches):
+        if (package_root / rel[len(prefix) :]).read_text() != (
+            NEW_FILES_DIR.parent / rel
+        ).read_text():
+            raise PatchError(f"{rel}: the series does not rebuild python/{rel}")
+    return applied
+
+
+def write_added_files(
+    added: dict[str, str], package_root: Path, prefix: str = UPSTREAM_PREFIX
+) -> None:
+    for rel, text in added.items():
+        target = package_root / rel[len(prefix) :]
+        if target.exists():
+            raise FileExistsError(
+                f"{rel} would replace a file upstream has: change it with a patch"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        os.chmod(target, 0o644)  # whatever the umask: the wheel's bytes stay reproducible
 
 
 def new_files(patches: list[Patch]) -> dict[str, Patch]:

@@ -17,9 +17,10 @@ from forktools.series import (
     PATCHES_DIR,
     Patch,
     PatchError,
+    added_file_texts,
     apply_patch,
-    new_files,
     read_series,
+    write_added_files,
 )
 from forktools.upstream import Pin
 
@@ -89,22 +90,21 @@ def init_upstream_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> None:
     git(tree, "tag", BASE_TAG)
 
 
-def apply_as_commit(patch: Patch, tree: Path) -> None:
+def apply_as_commit(patch: Patch, added: dict[str, str], tree: Path) -> None:
+    """Commit `patch` onto the tree: the files it adds (`added`: their text at this patch),
+    then its diff."""
+    write_added_files(added, tree / TREE_PACKAGE_DIR)
     apply_patch(patch, tree / TREE_PACKAGE_DIR)
-    for rel in patch.adds:
-        target = tree / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(NEW_FILES_DIR.parent / rel, target)
     _commit(tree, patch.author, _commit_message(patch))
 
 
 def open_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> list[Patch]:
     """Editable tree: upstream, then one commit per patch of the series (with its new files)."""
     patches = read_series()
-    new_files(patches)  # every file under python/ is claimed exactly once
+    texts = added_file_texts(patches)  # every file under python/ is claimed exactly once
     init_upstream_tree(pin, upstream_wheel, tree)
-    for patch in patches:
-        apply_as_commit(patch, tree)
+    for patch, added in zip(patches, texts):
+        apply_as_commit(patch, added, tree)
     return patches
 
 
@@ -148,12 +148,7 @@ def export_tree(
             if status == "A":
                 adds.append(path)
                 added_by[path] = subject
-            elif status == "M" and path in added_by:
-                raise PatchError(
-                    f"commit {commit[:12]} ({subject}) changes {path}, which {added_by[path]!r} adds: "
-                    "fold the change into that commit (git rebase -i)"
-                )
-            elif status == "M":
+            elif status == "M":  # an upstream file, or one an earlier commit adds
                 modified.append(path)
             else:
                 raise PatchError(
@@ -177,7 +172,8 @@ def export_tree(
         )
         if not diff:
             raise PatchError(
-                f"commit {commit[:12]} ({subject}) changes no upstream file: move its files into a commit that does"
+                f"commit {commit[:12]} ({subject}) changes no existing file: move its files "
+                "into a commit that does"
             )
         patch = Patch(
             patches_dir / f"{index:04d}-{_slug(subject)}.patch",
@@ -216,15 +212,17 @@ def rebase_tree(pin: Pin, new_wheel: Path, tree: Path) -> list[tuple[str, str]]:
     is reported and skipped, for the maintainer to redo in the tree.
     """
     patches = read_series()
+    texts = added_file_texts(patches)
     init_upstream_tree(pin, new_wheel, tree)
     report = []
-    for patch in patches:
+    for patch, added in zip(patches, texts):
         try:
-            apply_as_commit(patch, tree)
+            apply_as_commit(patch, added, tree)
             report.append((patch.name, "applies exactly"))
             continue
         except PatchError as exact_error:
             reason = str(exact_error)
+        # apply_as_commit wrote the files the patch adds: its diff may build on them
         check = subprocess.run(
             ["git", "apply", "--check", "-"],
             cwd=tree,
@@ -234,10 +232,6 @@ def rebase_tree(pin: Pin, new_wheel: Path, tree: Path) -> list[tuple[str, str]]:
         )
         if check.returncode == 0:
             git(tree, "apply", "-", input=patch.diff)
-            for rel in patch.adds:
-                target = tree / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(NEW_FILES_DIR.parent / rel, target)
             _commit(tree, patch.author, _commit_message(patch))
             report.append(
                 (
@@ -272,13 +266,11 @@ def export_upstream_diffs(out_dir: Path) -> list[Path]:
     """One patch per concern for the upstream repository (`git apply` at the pinned tag),
     holding the patch's changes and the new files it claims."""
     patches = read_series()
-    new_files(patches)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for patch in patches:
+    for patch, added in zip(patches, added_file_texts(patches)):
         diff = patch.diff + "".join(
-            _new_file_diff(rel, (NEW_FILES_DIR.parent / rel).read_text())
-            for rel in patch.adds
+            _new_file_diff(rel, text) for rel, text in added.items()
         )
         path = out_dir / patch.name
         path.write_text(patch.header() + diff)

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
 from wheel.cli.pack import pack
 from wheel.cli.unpack import unpack
 
-from forktools.series import (
-    NEW_FILES_DIR,
-    UPSTREAM_PREFIX,
-    apply_patch,
-    new_files,
-    read_series,
-)
+from forktools.series import apply_series, read_series
 from forktools.upstream import Pin, load_pin, obtain_wheel
 
 # Zip timestamps of every entry; a fixed value makes two builds from the same inputs byte-identical.
@@ -25,24 +18,13 @@ BUILD_EPOCH = "315532800"  # 1980-01-01, the earliest time a zip entry can hold
 
 
 def prepare_tree(pin: Pin, upstream_wheel: Path, dest: Path) -> Path:
-    """Unpack the upstream wheel into `dest`, apply the series and add the new files.
+    """Unpack the upstream wheel into `dest` and apply the series with its new files.
 
     Returns the unpacked wheel folder (holding `sglang/` and the dist-info folder).
     """
     unpack(str(upstream_wheel), str(dest))
     root = dest / f"{pin.package}-{pin.version}"
-    patches = read_series()
-    for patch in patches:
-        apply_patch(patch, root)
-    for rel in new_files(patches):
-        target = root / rel[len(UPSTREAM_PREFIX) :]
-        if target.exists():
-            raise FileExistsError(
-                f"python/{rel} would replace upstream's {rel}: change it with a patch"
-            )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(NEW_FILES_DIR.parent / rel, target)
-        os.chmod(target, 0o644)
+    apply_series(read_series(), root)
     return root
 
 
