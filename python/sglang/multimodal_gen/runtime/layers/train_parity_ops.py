@@ -4,11 +4,11 @@
 The training forward is diffusers + PEFT LoRA with bf16 parameters under
 ``torch.autocast("cuda", dtype=torch.bfloat16)``. Under that autocast,
 ``layer_norm``, ``pow``, ``rsqrt`` and ``norm`` run in fp32, GEMMs and SDPA
-in bf16, and every other op in its inputs' dtype. sglang runs the DiT without
-autocast, so each function below spells out those dtypes explicitly and
-rounds exactly where the training forward rounds. The ``forward_train_parity``
-methods of the layers call these, so each rule of the contract lives here once
-(docs/numerics-contract.md of sglang-train-parity explains them).
+in bf16, and every other op in its inputs' dtype. The DiT runs without
+autocast, so each function below spells out those dtypes and rounds exactly
+where the training forward rounds. The ``forward_train_parity`` methods of the
+layers call these, so each rule of the contract lives here once; where two
+families' arithmetic differs, the difference is a named variant here.
 """
 
 from __future__ import annotations
