@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from forktools.series import PatchError, apply_series, read_series
+from forktools.review import format_review, review_series
 from forktools.tree import export_tree, export_upstream_diffs, open_tree, rebase_tree
 from forktools.upstream import UPSTREAM_WHEEL_ENV, UpstreamError, load_pin, obtain_wheel
 from forktools.wheelbuild import build_wheel
@@ -57,6 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("-o", "--out-dir", default="dist/upstream-patches", type=Path)
 
+    p = sub.add_parser(
+        "review",
+        help="each upstream diff in order on the pristine tree: git apply, upstream's "
+        "formatters on its added lines, its own unit tests",
+    )
+    p.add_argument(
+        "--no-tests", action="store_true", help="apply and check style only"
+    )
+    _wheel_arg(p)
+
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -104,6 +115,17 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "upstream-diffs":
         for path in export_upstream_diffs(args.out_dir):
             print(path)
+    elif args.command == "review":
+        wheel = obtain_wheel(pin, args.upstream_wheel)
+        with tempfile.TemporaryDirectory() as tmp:
+            from wheel.cli.unpack import unpack
+
+            unpack(str(wheel), tmp)
+            pristine = Path(tmp) / f"{pin.package}-{pin.version}"
+            reviews = review_series(pin, pristine, run_tests=not args.no_tests)
+        for review in reviews:
+            print(format_review(review))
+        return 0 if all(r.ok for r in reviews) else 1
     return 0
 
 

@@ -12,6 +12,12 @@ A patch file is a mail-style header followed by a git diff against the upstream 
     ## Modifications
     what it does, written as the body of an upstream PR
 
+    ## Accuracy
+    what it does to numerics, and how that was checked
+
+    ## Benchmark
+    what it costs
+
     Adds: python/sglang/...      (one line per new file of this concern, kept under python/)
     ---
     diff --git a/python/sglang/... b/python/sglang/...
@@ -37,7 +43,13 @@ PATCHES_DIR = REPO_ROOT / "patches"
 NEW_FILES_DIR = REPO_ROOT / "python"
 # Patch paths are upstream repository paths; the wheel holds the package without this prefix.
 UPSTREAM_PREFIX = "python/"
-REQUIRED_SECTIONS = ("## Motivation", "## Modifications")
+# The PR description upstream reviewers read (sglang's pull request template).
+REQUIRED_SECTIONS = (
+    "## Motivation",
+    "## Modifications",
+    "## Accuracy",
+    "## Benchmark",
+)
 
 
 class PatchError(RuntimeError):
@@ -57,8 +69,10 @@ class Patch:
     def name(self) -> str:
         return self.path.name
 
-    def header(self) -> str:
-        trailers = "".join(f"Adds: {p}\n" for p in self.adds)
+    def header(self, adds: bool = True) -> str:
+        """The mail header; `adds=False` leaves out the fork's `Adds:` trailers (the
+        upstream diff shows its new files itself)."""
+        trailers = "".join(f"Adds: {p}\n" for p in self.adds) if adds else ""
         return f"From: {self.author}\nSubject: {self.subject}\n\n{self.body.strip()}\n\n{trailers}---\n"
 
 

@@ -273,6 +273,6 @@ def export_upstream_diffs(out_dir: Path) -> list[Path]:
             _new_file_diff(rel, text) for rel, text in added.items()
         )
         path = out_dir / patch.name
-        path.write_text(patch.header() + diff)
+        path.write_text(patch.header(adds=False) + diff)
         written.append(path)
     return written
