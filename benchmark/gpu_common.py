@@ -62,7 +62,7 @@ def setup(device: str, jit: str = "off") -> None:
 
     device "cuda": stand-ins for the two packages the H200 image lacks (calls fail loudly).
     device "cpu": the three CPU sgl_kernel ops upstream's default CPU norm path calls, as the CPU tests
-    register them (sglang.multimodal_gen.train_parity.cpu_kernels), and torch.compile off (as the CPU tests run).
+    register them (sglang_train_parity.cpu_kernels), and torch.compile off (as the CPU tests run).
     jit "off": sglang's nvcc-at-first-use JIT kernels are not built (SGLANG_CRASH_ON_JIT_COMPILE=1:
     a load raises, upstream's can_use_* predicates then pick their unfused branch).
     """
@@ -71,7 +71,7 @@ def setup(device: str, jit: str = "off") -> None:
         os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] = "1"
     if device == "cpu":
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
-        from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels
+        from sglang_train_parity.cpu_kernels import register_cpu_kernels
 
         register_cpu_kernels()
     else:
@@ -198,7 +198,7 @@ def load_fork_dit(model_dir: Path, **server_kwargs):
     import torch
 
     from sglang.multimodal_gen.runtime.server_args import get_global_server_args
-    from sglang.multimodal_gen.train_parity.sglang_dit import load_dit
+    from sglang_train_parity.sglang_dit import load_dit
 
     model = load_dit(
         model_dir,

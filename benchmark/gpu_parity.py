@@ -8,7 +8,7 @@ statistics kept):
 * model: QwenImageTransformer2DModel with hidden 3072 (24 heads x 128), text width 3584, MLP 12288,
   in_channels 64, RoPE axes (16, 56, 56), `--layers` blocks, random weights saved in diffusers format
   and loaded into the fork through sglang's real transformer loader (train_parity.sglang_dit.load_dit);
-  the reference is the same checkpoint through sglang.multimodal_gen.train_parity.reference.build_reference (bf16 copies of
+  the reference is the same checkpoint through sglang_train_parity.reference.build_reference (bf16 copies of
   the fp32 masters, PEFT LoRA on all 12 targets per block);
 * cases: latent patch grids 32x32 (512x512 image, 1024 tokens) and 64x64 (1024x1024, 4096 tokens);
   text lengths 77 and 211; batch 1 and 2; cond and uncond (different prompt embeddings); 2 timesteps;
@@ -71,7 +71,7 @@ def cases(grid: dict) -> list[dict]:
 
 
 def make_inputs(case: dict, joint_dim: int):
-    from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
+    from sglang_train_parity.reference import QwenDiTInputs
 
     # cond and uncond differ by their (seeded) prompt embeddings and latents draw
     return QwenDiTInputs.random(
@@ -87,7 +87,7 @@ def make_inputs(case: dict, joint_dim: int):
 
 def make_reference(masters, state, rank, alpha, device: str, rope: str):
     """build_reference on a copy of the masters, RoPE tables built as `rope` says."""
-    from sglang.multimodal_gen.train_parity.reference import build_reference
+    from sglang_train_parity.reference import build_reference
 
     return build_reference(
         copy.deepcopy(masters), state, rank, alpha, device, rope_tables=rope
@@ -108,8 +108,8 @@ class Comparator:
     def compare_one(self, name: str, out, key: str):
         import torch
 
-        from sglang.multimodal_gen.train_parity.compare import ulp_distance
-        from sglang.multimodal_gen.train_parity.reference import (
+        from sglang_train_parity.compare import ulp_distance
+        from sglang_train_parity.reference import (
             Pairing,
             sglang_to_diffusers,
         )
@@ -186,7 +186,7 @@ class Comparator:
 def fork_forward(model, inputs, device: str, comparator: Comparator):
     """The fork's forward (train_parity.sglang_dit.run_dit) with each module's output compared as
     it is produced: only statistics stay on the GPU."""
-    from sglang.multimodal_gen.train_parity.sglang_dit import run_dit
+    from sglang_train_parity.sglang_dit import run_dit
 
     handles = [
         m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
@@ -208,7 +208,7 @@ def run_grid(
     then every fork forward compared against every reference."""
     import torch
 
-    from sglang.multimodal_gen.train_parity.reference import reference_forward
+    from sglang_train_parity.reference import reference_forward
 
     records = []
     for case in grid_cases:
@@ -306,8 +306,8 @@ def main() -> int:
     import torch
     from diffusers import QwenImageTransformer2DModel
 
-    from sglang.multimodal_gen.train_parity.reference import random_lora_state
-    from sglang.multimodal_gen.train_parity.sglang_dit import (
+    from sglang_train_parity.reference import random_lora_state
+    from sglang_train_parity.sglang_dit import (
         push_lora,
         wrap_linears_for_lora,
     )

@@ -44,7 +44,7 @@ if [ "$what" = tool ]; then
     for rope in cpu device; do
         timeout "${TOOL_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
-from sglang.multimodal_gen.train_parity.check import main; main(sys.argv[1:])' \
+from sglang_train_parity.check import main; main(sys.argv[1:])' \
             --device cuda --train-parity-rope-tables "$rope" --batch-sizes 1,2 --text-lengths 7,13 \
             --image-sizes 128,256x128 --timesteps 999,500 --out-dir "$OUT/parity-check-$rope" \
             >"$OUT/parity-check-$rope.log" 2>&1

@@ -83,7 +83,7 @@ def gpu_lora_state(
     from diffusers import QwenImageTransformer2DModel
     from torch import nn
 
-    from sglang.multimodal_gen.train_parity.reference import (
+    from sglang_train_parity.reference import (
         _LORA_DELTA_GAIN,
         is_lora_target,
     )
@@ -262,7 +262,7 @@ def timesteps_for(n: int, device):
 def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harness=None):
     import torch
 
-    from sglang.multimodal_gen.train_parity.sglang_dit import (
+    from sglang_train_parity.sglang_dit import (
         push_lora,
         wrap_linears_for_lora,
     )
@@ -341,7 +341,7 @@ def build_diffusers(config: dict, device: str):
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-    from sglang.multimodal_gen.train_parity.reference import (
+    from sglang_train_parity.reference import (
         ADAPTER,
         LORA_TARGETS,
         _rebuild_rope_tables,
@@ -373,7 +373,7 @@ def build_diffusers(config: dict, device: str):
 def diffusers_step_fn(model, config, grid, txt, device):
     import torch
 
-    from sglang.multimodal_gen.train_parity.autocast_emulation import cuda_autocast
+    from sglang_train_parity.autocast_emulation import cuda_autocast
 
     latents, text, img_shapes = make_inputs(config, grid, txt, device)
     ts = timesteps_for(64, device)

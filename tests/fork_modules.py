@@ -1,6 +1,6 @@
-"""The fork's train_parity tool modules loaded straight from this checkout's python/ tree, for
-scripts that also run against pristine upstream sglang (which has no sglang.multimodal_gen.
-train_parity) or without importing sglang at all (the GPU proof of the autocast emulation)."""
+"""The fork's tool modules (tools/sglang_train_parity) loaded straight from this checkout, for
+scripts that run against pristine upstream sglang or without importing sglang at all (the GPU
+proof of the autocast emulation)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-TOOLS = (
-    Path(__file__).resolve().parent.parent / "python/sglang/multimodal_gen/train_parity"
-)
+TOOLS = Path(__file__).resolve().parent.parent / "tools" / "sglang_train_parity"
 
 
 def load_tool(name: str) -> ModuleType:

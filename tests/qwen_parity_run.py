@@ -23,17 +23,17 @@ os.environ.setdefault(
 
 import torch  # noqa: E402
 
-from sglang.multimodal_gen.train_parity.compare import compare_modules  # noqa: E402
-from sglang.multimodal_gen.train_parity.cpu_kernels import (  # noqa: E402
+from sglang_train_parity.compare import compare_modules  # noqa: E402
+from sglang_train_parity.cpu_kernels import (  # noqa: E402
     register_cpu_kernels,
 )
-from sglang.multimodal_gen.train_parity.reference import (  # noqa: E402
+from sglang_train_parity.reference import (  # noqa: E402
     QwenDiTInputs,
     build_reference,
     random_lora_state,
     reference_forward,
 )
-from sglang.multimodal_gen.train_parity.sglang_dit import (  # noqa: E402
+from sglang_train_parity.sglang_dit import (  # noqa: E402
     load_dit,
     push_lora,
     sglang_forward,

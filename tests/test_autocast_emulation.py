@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from sglang.multimodal_gen.train_parity.autocast_emulation import (
+from sglang_train_parity.autocast_emulation import (
     CUDA_POLICY,
     cuda_autocast,
 )

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sglang.multimodal_gen.train_parity import rollout_demo as demo
+from sglang_train_parity import rollout_demo as demo
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ LAYER = "transformer_blocks.1.attn.to_q"  # the layer the malformed adapters get
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
 
@@ -43,7 +43,7 @@ def server(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(server, model_dir, adapters):
     """The server with the first adapter pushed, and the trainer's model for it."""
-    from sglang.multimodal_gen.train_parity.reference import build_reference
+    from sglang_train_parity.reference import build_reference
 
     response = demo.push_lora(server, adapters[0])
     assert response.json()["success"], response.text

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
-from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+from sglang_train_parity.tiny_model import build_tiny_qwen_image
 from tests.conftest import run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,7 +263,7 @@ def test_train_parity_rejects_request_options(tiny_model, request_kwargs, messag
 
 def test_custom_op_dispatches_forward_train_parity_only_in_that_mode():
     from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
-    from sglang.multimodal_gen.runtime.utils.numerics_mode import (
+    from sglang.multimodal_gen.runtime.utils.train_parity import (
         get_numerics_mode,
         numerics_mode_context,
     )

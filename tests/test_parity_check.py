@@ -20,7 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
 
@@ -95,7 +95,7 @@ def not_qwen_model(tmp_path) -> Path:
     ],
 )
 def test_bad_input_is_refused(args, message, capsys):
-    from sglang.multimodal_gen.train_parity.check import main
+    from sglang_train_parity.check import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(args)
@@ -104,7 +104,7 @@ def test_bad_input_is_refused(args, message, capsys):
 
 
 def test_unknown_model_family_is_refused(not_qwen_model, capsys):
-    from sglang.multimodal_gen.train_parity.check import main
+    from sglang_train_parity.check import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--model-path", str(not_qwen_model)])
@@ -114,7 +114,7 @@ def test_unknown_model_family_is_refused(not_qwen_model, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_is_refused(capsys):
-    from sglang.multimodal_gen.train_parity.check import main
+    from sglang_train_parity.check import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--device", "cuda"])

@@ -1,4 +1,4 @@
-"""The training-side reference (sglang.multimodal_gen.train_parity.reference) is what the train-side contract says, and its
+"""The training-side reference (sglang_train_parity.reference) is what the train-side contract says, and its
 sglang -> diffusers module map fits a real sglang Qwen-Image DiT. CPU only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang.multimodal_gen.train_parity.reference import (
+from sglang_train_parity.reference import (
     LORA_TARGETS,
     SGLANG_TO_DIFFUSERS,
     Pairing,
@@ -23,7 +23,7 @@ from sglang.multimodal_gen.train_parity.reference import (
     reference_forward,
     sglang_to_diffusers,
 )
-from sglang.multimodal_gen.train_parity.tiny_model import (
+from sglang_train_parity.tiny_model import (
     DIT_CONFIG,
     build_tiny_qwen_image,
     random_transformer,
@@ -113,7 +113,7 @@ def run_sglang_dit(model_dir: Path, out: Path) -> None:
         replace_submodule,
         wrap_with_lora_layer,
     )
-    from sglang.multimodal_gen.train_parity.sglang_dit import load_dit, sglang_forward
+    from sglang_train_parity.sglang_dit import load_dit, sglang_forward
 
     model = load_dit(model_dir, numerics="train_parity")
     outputs = sglang_forward(model, QwenDiTInputs.random(**INPUTS))

@@ -26,7 +26,7 @@ UPDATE_LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
 

@@ -44,13 +44,13 @@ from sglang.multimodal_gen.runtime.managers.forward_context import (  # noqa: E4
 from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import (  # noqa: E402
     _check_train_parity_peft_config,
 )
-from sglang.multimodal_gen.runtime.utils.numerics_mode import (  # noqa: E402
+from sglang.multimodal_gen.runtime.utils.train_parity import (  # noqa: E402
     numerics_mode_context,
 )
-from sglang.multimodal_gen.train_parity.autocast_emulation import (  # noqa: E402
+from sglang_train_parity.autocast_emulation import (  # noqa: E402
     cuda_autocast,
 )
-from sglang.multimodal_gen.train_parity.cpu_kernels import (  # noqa: E402
+from sglang_train_parity.cpu_kernels import (  # noqa: E402
     register_cpu_kernels,
 )
 from tests.tp_lora import (  # noqa: E402

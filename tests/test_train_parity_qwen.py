@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+from sglang_train_parity.tiny_model import build_tiny_qwen_image
 from tests.conftest import run
 
 REPO = Path(__file__).resolve().parent.parent

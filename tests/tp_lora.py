@@ -105,7 +105,7 @@ def sglang_lora_layer(
     LoRA in `numerics` mode, holding the fp32 masters as its adapter (as a weight sync sends them).
     """
     from sglang.multimodal_gen.runtime.layers.lora.linear import wrap_with_lora_layer
-    from sglang.multimodal_gen.runtime.utils.numerics_mode import numerics_mode_context
+    from sglang.multimodal_gen.runtime.utils.train_parity import numerics_mode_context
 
     with numerics_mode_context(numerics):
         base = _base_layer(kind)

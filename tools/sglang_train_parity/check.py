@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`sglang parity-check`: the sglang DiT against the training forward (diffusers + PEFT under
+"""`sglang-train-parity check`: the sglang DiT against the training forward (diffusers + PEFT under
 CUDA bf16 autocast), module by module, on the same inputs and weights.
 
 Every combination of the chosen batch sizes, text lengths, image sizes and timesteps is one case.
@@ -26,32 +26,37 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from sglang.multimodal_gen.runtime.utils.numerics_mode import NUMERICS_MODES
-from sglang.multimodal_gen.runtime.utils.train_parity import ROPE_TABLE_DEVICES
-from sglang.multimodal_gen.train_parity.compare import compare_modules, first_divergence
-from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels
-from sglang.multimodal_gen.train_parity.reference import (
+from sglang.multimodal_gen.runtime.utils.train_parity import (
+    NUMERICS_MODES,
+    ROPE_TABLE_DEVICES,
+)
+from sglang_train_parity.compare import compare_modules, first_divergence
+from sglang_train_parity.cpu_kernels import register_cpu_kernels
+from sglang_train_parity.families import FAMILIES, family_of
+from sglang_train_parity.reference import (
     QwenDiTInputs,
     build_reference,
     random_lora_state,
     reference_forward,
 )
-from sglang.multimodal_gen.train_parity.sglang_dit import (
+from sglang_train_parity.sglang_dit import (
     load_dit,
     push_lora,
     sglang_forward,
     wrap_linears_for_lora,
 )
-from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
-# Module pairing per DiT family, keyed by the diffusers transformer class named in
-# transformer/config.json: it maps sglang's module outputs to diffusers' (name map, layout
-# fix-ups) and compares them. A new family registers its pairing here; the reference model,
-# the inputs and the sglang forward are Qwen-Image's so far.
-PAIRINGS = {"QwenImageTransformer2DModel": compare_modules}
 # pixels per latent patch side: VAE downsampling (8) x patch size (2)
 LATENT_PIXELS = 16
 NO_ULP = "-"  # shown for pairs that are not bf16 (RoPE tables, fp32 projections)
+ROTARY_EMB = "rotary_emb"
+ROPE_TABLES_HINT = (
+    "rotary_emb differs first: the RoPE tables are built on another device than the "
+    "trainer's. The server builds them where --train-parity-rope-tables says (device: on "
+    "the GPU, as trainers that rebuild them there; cpu: as stock diffusers builds them); "
+    "set it to where your trainer builds them."
+)
 
 
 class CheckError(Exception):
@@ -126,12 +131,12 @@ def timestep(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sglang parity-check",
+        prog="sglang-train-parity check",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: sglang parity-check --batch-sizes 1,2 --image-sizes 128,256x128 "
+        epilog="example: sglang-train-parity check --batch-sizes 1,2 --image-sizes 128,256x128 "
         "--timesteps 999,500\n"
-        "negative control (must fail): sglang parity-check --numerics default",
+        "negative control (must fail): sglang-train-parity check --numerics default",
     )
     model = parser.add_argument_group("model and adapter")
     model.add_argument(
@@ -210,8 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--train-parity-rope-tables",
         choices=ROPE_TABLE_DEVICES,
-        default="cpu",
-        help="where both sides build the RoPE tables (default cpu, as diffusers)",
+        default=ROPE_TABLE_DEVICES[0],
+        help="where the server builds the RoPE tables: device (its default, as trainers "
+        "that rebuild them on the GPU do) or cpu (as stock diffusers does); default device",
+    )
+    run.add_argument(
+        "--trainer-rope-tables",
+        choices=ROPE_TABLE_DEVICES,
+        help="where the trainer builds them (default: as the server); a mismatch shows "
+        "as rotary_emb differing first",
     )
     run.add_argument(
         "--device",
@@ -288,11 +300,11 @@ def validate(args, parser) -> None:
                 f"--model-path {args.model_path}: not a diffusers-layout model "
                 "(no transformer/config.json)"
             )
-        family = json.loads(config.read_text()).get("_class_name")
-        if family not in PAIRINGS:
+        transformer_class = json.loads(config.read_text()).get("_class_name")
+        if family_of(transformer_class) is None:
             parser.error(
-                f"--model-path: transformer class {family!r} has no parity pairing; "
-                f"supported: {', '.join(PAIRINGS)}"
+                f"--model-path: transformer class {transformer_class!r} is no train_parity "
+                f"family's; supported: {', '.join(f.diffusers_class for f in FAMILIES)}"
             )
     if args.max_rows < 0:
         parser.error("--max-rows must be >= 0")
@@ -329,8 +341,6 @@ def load_models(args, model_dir: Path):
     and the pairing function; LoRA in both when asked."""
     from diffusers import QwenImageTransformer2DModel
 
-    family = json.loads((model_dir / "transformer" / "config.json").read_text())
-    pair_modules = PAIRINGS[family["_class_name"]]
 
     if args.numerics == "default" and args.device == "cpu":
         register_cpu_kernels()  # upstream's default norms call sgl_kernel CPU ops
@@ -357,18 +367,18 @@ def load_models(args, model_dir: Path):
             args.lora_rank,
             args.lora_alpha,
             device=args.device,
-            rope_tables=args.train_parity_rope_tables,
+            rope_tables=args.trainer_rope_tables or args.train_parity_rope_tables,
         )
         if state is not None:
             wrap_linears_for_lora(dit, args.numerics)
             push_lora(dit, state, args.lora_rank, args.lora_alpha)
     except (ValueError, AttributeError) as e:  # AttributeError: no such sglang module
         raise CheckError(f"LoRA adapter: {e}") from e
-    return dit, reference, pair_modules, masters.config.joint_attention_dim
+    return dit, reference, masters.config.joint_attention_dim
 
 
 def run_cases(args, model_dir: Path, cases: list[Case]) -> list[dict]:
-    dit, reference, pair_modules, joint_dim = load_models(args, model_dir)
+    dit, reference, joint_dim = load_models(args, model_dir)
     results = []
     for index, case in enumerate(tqdm(cases, desc="parity", unit="case", disable=None)):
         inputs = QwenDiTInputs.random(
@@ -382,7 +392,7 @@ def run_cases(args, model_dir: Path, cases: list[Case]) -> list[dict]:
         )
         ours = sglang_forward(dit, inputs, args.device)
         _, theirs = reference_forward(reference, inputs, args.device)
-        pairs = pair_modules(ours, theirs, args.lora_rank > 0)
+        pairs = compare_modules(ours, theirs, args.lora_rank > 0)
         results.append(
             {
                 **asdict(case),
@@ -472,6 +482,8 @@ def print_report(
         f"{first['sglang'] or '(output)'} (#{first['index']}, max ULP "
         f"{first['max_ulp'] if first['max_ulp'] is not None else NO_ULP}) ({outputs})"
     )
+    if first["sglang"] == ROTARY_EMB:
+        print(ROPE_TABLES_HINT)
 
 
 def plot_ulp(modules: list[dict], path: Path, title: str) -> None:
@@ -564,6 +576,8 @@ def check(args) -> bool:
         "model_path": str(model_dir),
         "numerics": args.numerics,
         "train_parity_rope_tables": args.train_parity_rope_tables,
+        "trainer_rope_tables": args.trainer_rope_tables or args.train_parity_rope_tables,
+        "first_divergence_hint": ROPE_TABLES_HINT if first == ROTARY_EMB else None,
         "lora": (
             {
                 "path": str(args.lora_path) if args.lora_path else None,

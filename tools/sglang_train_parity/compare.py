@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.multimodal_gen.train_parity.reference import Pairing, sglang_to_diffusers
+from sglang_train_parity.reference import Pairing, sglang_to_diffusers
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:

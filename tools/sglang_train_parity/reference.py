@@ -9,10 +9,10 @@ Trainer regime (miles' current "regime B"; docs/numerics-contract.md of sglang-t
 * Forward inside `torch.autocast("cuda", bf16)`, latents fp32, timestep t / 1000 in fp32, text embeds
   bf16, `encoder_hidden_states_mask=None` (equal-length unpadded prompts), attention through SDPA's
   flash kernel (diffusers backend `_native_flash`).
-* RoPE tables built on the CPU in `__init__` (stock diffusers, `rope_tables="cpu"`), or rebuilt on the
-  device the model runs on before the first forward (`rope_tables="device"`, as miles does; diffusers
-  0.42.1 lru-caches them and the cache cannot be cleared). The rollout must build them the same way:
-  `--train-parity-rope-tables`.
+* RoPE tables rebuilt on the device the model runs on before the first forward (`rope_tables="device"`,
+  as miles does; diffusers 0.42.1 lru-caches them and the cache cannot be cleared), or left as stock
+  diffusers builds them on the CPU in `__init__` (`rope_tables="cpu"`). The rollout builds them where
+  `--train-parity-rope-tables` says (default device).
 
 On CPU, `autocast_emulation.cuda_autocast("cpu")` stands in for CUDA autocast's op policy.
 """
@@ -85,7 +85,7 @@ def build_reference(
     rank: int | None = None,
     alpha: float | None = None,
     device: str | torch.device = "cpu",
-    rope_tables: str = "cpu",
+    rope_tables: str = "device",
 ) -> nn.Module:
     """The trainer's model: `model` (a diffusers transformer folder, or a diffusers model, which is
     modified in place) as fp32 masters, PEFT LoRA injected and loaded from the fp32 `lora_state` when
@@ -180,7 +180,7 @@ def reference_forward(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the trainer's forward; return the model output ([B, S_img, 64] bf16) and every module's
     output by diffusers module name (first tensor of tuple outputs; the root is "")."""
-    from sglang.multimodal_gen.train_parity.autocast_emulation import cuda_autocast
+    from sglang_train_parity.autocast_emulation import cuda_autocast
 
     model.set_attention_backend(ATTENTION_BACKEND[device_type])
     outputs: dict[str, torch.Tensor] = {}
@@ -194,7 +194,7 @@ def reference_forward(
         return hook
 
     handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
-    # miles NEW: `t / 1000.0` in fp32 before the model; the model rounds it to bf16 itself.
+    # The trainer divides by 1000 in fp32 before the model; the model rounds it to bf16 itself.
     timestep = inputs.timestep.to(device_type, torch.float32) / 1000.0
     try:
         # no_grad only saves memory: the trainer's forward under grad runs the same kernels.

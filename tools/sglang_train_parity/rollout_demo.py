@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``sglang train-parity-demo``: an RL rollout loop against a real sglang diffusion server,
+"""``sglang-train-parity demo``: an RL rollout loop against a real sglang diffusion server,
 checked the way a trainer would check it.
 
 On a tiny random Qwen-Image pipeline built locally, it starts ``sglang serve`` on CPU with
@@ -15,7 +15,7 @@ Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no instal
 provides. To run a ``--numerics default`` server on CPU (as this demo does), put a directory on
 its PYTHONPATH holding a ``sitecustomize.py`` with::
 
-    from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels
+    from sglang_train_parity.cpu_kernels import register_cpu_kernels
     register_cpu_kernels()
 
 so that every server process registers plain-PyTorch versions of them.
@@ -62,7 +62,7 @@ SERVER_START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 300
 # See the module docstring: how a default-numerics server runs on CPU.
 _CPU_KERNELS_SITECUSTOMIZE = (
-    "from sglang.multimodal_gen.train_parity.cpu_kernels import register_cpu_kernels\n"
+    "from sglang_train_parity.cpu_kernels import register_cpu_kernels\n"
     "register_cpu_kernels()\n"
 )
 
@@ -222,6 +222,13 @@ def weights_checksum(server: Server) -> str:
     return response.json()["transformer"]
 
 
+def policy_checksum(server: Server) -> dict[str, str]:
+    """The served DiT's base weights and adapter state (sglang_train_parity.policy)."""
+    response = server.post("/get_policy_checksum", module_names=["transformer"])
+    response.raise_for_status()
+    return response.json()["transformer"]
+
+
 def _decode(obj: Any) -> Any:
     """msgpack response -> python, tensors (safetensors bytes) -> torch."""
     from safetensors.torch import load
@@ -256,8 +263,8 @@ def trainer_model_outputs(
     """Every step's post-CFG model output as the trainer recomputes it from the rollout's
     returned inputs (docs/numerics-contract.md): two DiT forwards under autocast, then
     ``neg + s * (pos - neg)`` rescaled to the conditional norm with fp32 norms."""
-    from sglang.multimodal_gen.train_parity.autocast_emulation import cuda_autocast
-    from sglang.multimodal_gen.train_parity.reference import ATTENTION_BACKEND
+    from sglang_train_parity.autocast_emulation import cuda_autocast
+    from sglang_train_parity.reference import ATTENTION_BACKEND
 
     model.set_attention_backend(ATTENTION_BACKEND["cpu"])
     env, trajectory = rollout["denoising_env"], rollout["dit_trajectory"]
@@ -294,7 +301,7 @@ def random_adapters(
     """One fp32 master adapter per update, as after successive optimizer steps."""
     from diffusers import QwenImageTransformer2DModel
 
-    from sglang.multimodal_gen.train_parity.reference import random_lora_state
+    from sglang_train_parity.reference import random_lora_state
 
     model = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer")
     return [random_lora_state(model, rank, alpha, seed=step) for step in range(count)]
@@ -307,21 +314,24 @@ def parity_of_update(
     rank: int,
     alpha: float,
     **rollout_overrides,
-) -> tuple[float, float]:
-    """Push `adapter`, roll out, recompute as the trainer; (max, mean) |rollout - trainer|."""
-    from sglang.multimodal_gen.train_parity.reference import build_reference
+) -> tuple[float, float, bool]:
+    """Push `adapter`, roll out, recompute as the trainer: (max, mean) |rollout - trainer|,
+    and whether the server's policy checksum is the trainer's."""
+    from sglang_train_parity.policy import trainer_policy_checksum
+    from sglang_train_parity.reference import build_reference
 
     response = push_lora(server, adapter, rank, alpha)
     if not response.json().get("success"):
         raise RuntimeError(f"adapter update refused: {response.text}")
-    rollout = request_rollout(server, **rollout_overrides)
     trainer = build_reference(model_dir / "transformer", adapter, rank, alpha)
+    same_policy = policy_checksum(server) == trainer_policy_checksum(trainer)
+    rollout = request_rollout(server, **rollout_overrides)
     cfg_scale = rollout_overrides.get(
         "true_cfg_scale", ROLLOUT_REQUEST["true_cfg_scale"]
     )
     expected = trainer_model_outputs(trainer, rollout, cfg_scale)
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
-    return diff.max().item(), diff.mean().item()
+    return diff.max().item(), diff.mean().item(), same_policy
 
 
 def _run_mode(
@@ -340,7 +350,7 @@ def _run_mode(
         )
         for update, adapter in enumerate(adapters, 1):
             t0 = time.monotonic()
-            max_diff, mean_diff = parity_of_update(
+            max_diff, mean_diff, same_policy = parity_of_update(
                 server,
                 args.model_dir,
                 adapter,
@@ -353,25 +363,27 @@ def _run_mode(
                 f"[{numerics}] update {update}: adapter pushed, {args.steps}-step "
                 f"rollout recomputed ({time.monotonic() - t0:.1f} s): "
                 f"model_output_max_abs_diff={max_diff!r} "
-                f"model_output_mean_abs_diff={mean_diff!r}"
+                f"model_output_mean_abs_diff={mean_diff!r} "
+                f"policy_checksum={'equal' if same_policy else 'differs'}"
             )
-            results.append((max_diff, mean_diff))
+            results.append((max_diff, mean_diff, same_policy))
     _log(f"[{numerics}] server stopped")
     return results
 
 
 def _table(
-    parity: list[tuple[float, float]], default: list[tuple[float, float]]
+    parity: list[tuple[float, float, bool]], default: list[tuple[float, float, bool]]
 ) -> str:
-    rows = [("update", "train_parity max / mean", "default max / mean")]
-    for update, (tp_max, tp_mean) in enumerate(parity, 1):
+    rows = [("update", "train_parity max / mean", "policy checksum", "default max / mean")]
+    for update, (tp_max, tp_mean, same_policy) in enumerate(parity, 1):
         other = (
             f"{default[update - 1][0]:.3e} / {default[update - 1][1]:.3e}"
             if default
             else "skipped"
         )
-        rows.append((str(update), f"{tp_max!r} / {tp_mean!r}", other))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        checksum = "equal" if same_policy else "DIFFERS"
+        rows.append((str(update), f"{tp_max!r} / {tp_mean!r}", checksum, other))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
         for row in rows
@@ -380,7 +392,7 @@ def _table(
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="sglang train-parity-demo",
+        prog="sglang-train-parity demo",
         description=(
             "End-to-end RL rollout check of --numerics train_parity on CPU: start the sglang "
             "diffusion server on a tiny local Qwen-Image model, push a new random LoRA adapter "
@@ -433,7 +445,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of `sglang train-parity-demo`; exits with the demo's status."""
+    """Entry point of `sglang-train-parity demo`; exits with the demo's status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # SIGTERM unwinds like Ctrl-C, so the servers' process groups are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -457,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
 def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
     from diffusers.utils import logging as diffusers_logging
 
-    from sglang.multimodal_gen.train_parity.tiny_model import build_tiny_qwen_image
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     # diffusers' dtype and experimental-API notices would drown the progress lines
     diffusers_logging.set_verbosity_error()
@@ -479,14 +491,15 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
     parity = _run_mode("train_parity", args, adapters, log_dir)
     default = [] if args.skip_default else _run_mode("default", args, adapters, log_dir)
     _log("\n" + _table(parity, default) + "\n")
-    parity_exact = all(result == (0.0, 0.0) for result in parity)
-    default_differs = all(max_diff > 0.0 for max_diff, _ in default)
+    parity_exact = all(result == (0.0, 0.0, True) for result in parity)
+    default_differs = all(max_diff > 0.0 for max_diff, _, _ in default)
     _log(
         "train_parity: "
         + (
-            "bitwise equal to the trainer's recompute on every update"
+            "bitwise equal to the trainer's recompute on every update, serving the "
+            "trainer's policy checksum"
             if parity_exact
-            else "DIFFERS from the trainer's recompute"
+            else "DIFFERS from the trainer's recompute or policy checksum"
         )
     )
     if default:

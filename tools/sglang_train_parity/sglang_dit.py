@@ -15,7 +15,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # imports of upstream modules stay inside the functions, so this file
     # also runs against a pristine upstream sglang (the tests' negative controls)
-    from sglang.multimodal_gen.train_parity.reference import QwenDiTInputs
+    from sglang_train_parity.reference import QwenDiTInputs
 
 
 def init_single_process(device: str = "cpu") -> None:
@@ -74,7 +74,7 @@ def wrap_linears_for_lora(model: nn.Module, numerics: str) -> None:
         replace_submodule,
         wrap_with_lora_layer,
     )
-    from sglang.multimodal_gen.runtime.utils.numerics_mode import numerics_mode_context
+    from sglang.multimodal_gen.runtime.utils.train_parity import numerics_mode_context
 
     for name, layer in list(model.named_modules()):
         with numerics_mode_context(numerics):
