@@ -45,8 +45,8 @@ def main() -> None:
         RMSNorm.forward_train_parity = forward_train_parity
     server_kwargs = {} if args.numerics is None else {"numerics": args.numerics}
     model = sglang_dit.load_dit(args.model_dir, **server_kwargs)
-    dispatch = {
-        name: module._forward_method.__name__
+    dispatch = {  # a partial for a train_parity op without a train_parity forward
+        name: getattr(module._forward_method, "func", module._forward_method).__name__
         for name, module in model.named_modules()
         if isinstance(module, CustomOp)
     }

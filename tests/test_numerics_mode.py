@@ -1,17 +1,20 @@
-"""The `--numerics` switch: CLI and Python entry points, validation of train_parity, layer
-dispatch, and the default mode's bits against unpatched upstream."""
+"""The `--numerics` switch through the real entry points and loader on the tiny Qwen-Image: the CLI,
+a family without a contract refused at startup, Qwen-Image's options, the layers the loader
+builds, and the default mode's bits against unpatched upstream. The rules themselves are tested
+op by op by the series' own unit tests (python/sglang/multimodal_gen/test/unit/)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
 from sglang_train_parity.tiny_model import build_tiny_qwen_image
 from tests.conftest import run
 
@@ -77,7 +80,7 @@ def test_from_kwargs_rejects_unknown_numerics(tiny_model):
 
 
 def test_default_mode_changes_nothing(tiny_model):
-    from sglang.multimodal_gen.runtime.server_args import NUMERICS_MODES
+    from sglang.multimodal_gen.runtime.utils.train_parity import NUMERICS_MODES
 
     assert NUMERICS_MODES == ("default", "train_parity")
     args = server_args(tiny_model)
@@ -96,199 +99,50 @@ def test_generator_path_takes_numerics():
     assert "ServerArgs.from_kwargs(**kwargs)" in source
 
 
-# ------------------------------------------------------- train_parity settings
+# ------------------------------------------------------------- families opt in
 
 
-def test_train_parity_sets_single_valued_options_and_says_so(
-    tiny_model, train_parity_log
-):
-    args = server_args(tiny_model, numerics="train_parity")
-    assert args.attention_backend == "torch_sdpa"
-    assert args.lora_merge_mode == "dynamic"
-    assert args.enable_breakable_cuda_graph is False
-    assert args.sp_degree == 1
-    assert not args.enable_cfg_parallel
-    log = "\n".join(train_parity_log)
-    for field in (
-        "attention_backend",
-        "lora_merge_mode",
-        "enable_breakable_cuda_graph",
-    ):
-        assert f"--numerics train_parity: setting {field}=" in log
-
-
-def test_train_parity_accepts_the_valid_values_explicitly(tiny_model):
-    args = server_args(
-        tiny_model,
-        numerics="train_parity",
-        attention_backend="torch_sdpa",
-        lora_merge_mode="dynamic",
-        enable_breakable_cuda_graph=False,
-        sp_degree=1,
+def test_cli_refuses_a_family_without_a_contract(tmp_path):
+    """A diffusers-layout model of another family (only its model_index.json is needed: the
+    refusal comes before anything is loaded) under `sglang generate --numerics train_parity`."""
+    model = tmp_path / "flux-like"
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": "0.42.1"}
+    for component, cls in (("transformer", "FluxTransformer2DModel"), ("vae", "AutoencoderKL")):
+        index[component] = ["diffusers", cls]
+        (model / component).mkdir(parents=True)
+        (model / component / "config.json").write_text(json.dumps({"_class_name": cls}))
+    (model / "model_index.json").write_text(json.dumps(index))
+    result = subprocess.run(
+        [str(SGLANG_CLI), "generate", "--model-path", str(model), "--prompt", "a cat"]
+        + ["--numerics", "train_parity"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
     )
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert f"--numerics train_parity does not support the model {model}" in output
+    assert "serve a supported family: Qwen-Image (QwenImagePipelineConfig)" in output
+
+
+def test_qwen_image_opts_in_and_its_options_are_set(tiny_model, train_parity_log):
+    args = server_args(tiny_model, numerics="train_parity")
+    assert type(args.pipeline_config).__name__ == "QwenImagePipelineConfig"
+    assert args.pipeline_config.numerics == "train_parity"
     assert (args.attention_backend, args.lora_merge_mode) == ("torch_sdpa", "dynamic")
+    assert args.train_parity_rope_tables == "device"
+    assert any("setting attention_backend=" in line for line in train_parity_log)
 
 
-REJECTED = {
-    "attention_backend": dict(attention_backend="fa"),
-    "component_attention_backend": dict(
-        component_attention_backends={"transformer": "fa"}
-    ),
-    "lora_merge_mode_merge": dict(lora_merge_mode="merge"),
-    "lora_merge_mode_auto": dict(lora_merge_mode="auto"),
-    "torch_compile": dict(enable_torch_compile=True),
-    "breakable_cuda_graph": dict(enable_breakable_cuda_graph=True),
-    "cache_dit_config": dict(cache_dit_config={"Fn_compute_blocks": 1}),
-    "sequence_parallel": dict(sp_degree=2, num_gpus=2),
-    "quantization": dict(quantization="fp8"),
-    "component_quantization": dict(component_quantizations={"transformer": "fp8"}),
-    "kv_cache_quant": dict(kv_cache_quant_config=QVGKVQuantArgs(bits=4)),
-    "dit_precision": dict(dit_precision="fp32"),
-    "backend_diffusers": dict(backend="diffusers"),
-}
-REJECTED_MESSAGES = {
-    "attention_backend": "attention_backend='fa'",
-    "component_attention_backend": "--component-attention-backends transformer=fa",
-    "lora_merge_mode_merge": "lora_merge_mode='merge'",
-    "lora_merge_mode_auto": "lora_merge_mode='auto'",
-    "torch_compile": "--enable-torch-compile",
-    "breakable_cuda_graph": "--enable-breakable-cuda-graph",
-    "cache_dit_config": "cache-dit",
-    "sequence_parallel": "sp_degree=2",
-    "quantization": "quantized DiT weights",
-    "component_quantization": "quantized DiT weights",
-    "kv_cache_quant": "--kv-cache-quant",
-    "dit_precision": "dit_precision='fp32'",
-    "backend_diffusers": "--backend diffusers",
-}
-
-
-@pytest.mark.parametrize("case", sorted(REJECTED))
-def test_train_parity_rejects(tiny_model, case):
-    from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
-
-    with pytest.raises(TrainParityError) as e:
-        server_args(tiny_model, numerics="train_parity", **REJECTED[case])
-    assert "--numerics train_parity does not support" in str(e.value)
-    assert REJECTED_MESSAGES[case] in str(e.value)
-    # negative control: the same option is accepted in the default mode, or fails for another reason
-    try:
-        server_args(tiny_model, **REJECTED[case])
-    except (
-        TrainParityError
-    ):  # pragma: no cover - would mean the rule leaks into default mode
-        pytest.fail("default mode applied a train_parity rule")
-    except Exception:
-        pass
-
-
-def test_train_parity_rejects_cache_dit_env(tiny_model, monkeypatch):
-    from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
-
-    monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
-    with pytest.raises(TrainParityError, match="cache-dit"):
-        server_args(tiny_model, numerics="train_parity")
-
-
-def test_train_parity_rejects_non_serial_cfg_parallel(tiny_model):
-    from sglang.multimodal_gen.runtime.utils import train_parity
-
-    args = server_args(tiny_model, numerics="train_parity")
-    args.enable_cfg_parallel = True
-    assert not args.pipeline_config.cfg_policy.parallel_uses_serial_arithmetic
-    with pytest.raises(train_parity.TrainParityError, match="--enable-cfg-parallel"):
-        train_parity.validate_server_args(args)
-    args.pipeline_config.cfg_policy.parallel_uses_serial_arithmetic = True
-    train_parity.validate_server_args(args)  # serial CFG-parallel arithmetic is allowed
-
-
-def test_train_parity_rejects_nunchaku(tiny_model):
-    from sglang.multimodal_gen.runtime.utils import train_parity
-
-    args = server_args(tiny_model, numerics="train_parity")
-    args.nunchaku_config = type("Nunchaku", (), {"enable_svdquant": True})()
-    with pytest.raises(train_parity.TrainParityError, match="Nunchaku SVDQuant"):
-        train_parity.validate_server_args(args)
-
-
-def test_train_parity_warns_on_tensor_parallel(tiny_model, train_parity_log):
-    args = server_args(tiny_model, numerics="train_parity", tp_size=2)
-    assert args.tp_size == 2
-    assert any(
-        "results are correct but not bitwise" in line for line in train_parity_log
-    )
-
-
-# ------------------------------------------------------------------- requests
-
-
-def sampling_params(model: Path, args, **kwargs):
-    from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
-
-    return SamplingParams.from_user_sampling_params_args(
-        str(model), args, prompt="a cat", **kwargs
-    )
-
-
-def test_request_quality_defaults_to_exact_under_train_parity(tiny_model):
-    assert sampling_params(tiny_model, server_args(tiny_model)).quality == "lossless"
-    args = server_args(tiny_model, numerics="train_parity")
-    assert sampling_params(tiny_model, args).quality == "exact"
-    assert sampling_params(tiny_model, args, quality="exact").quality == "exact"
-
-
-@pytest.mark.parametrize(
-    "request_kwargs, message",
-    [
-        (dict(quality="lossless"), "quality='lossless'"),
-        (dict(quality="high"), "quality='high'"),
-        (dict(enable_teacache=True), "enable_teacache"),
-        (dict(enable_cache_dit=True), "enable_cache_dit"),
-        (dict(enable_spectrum=True), "enable_spectrum"),
-    ],
-)
-def test_train_parity_rejects_request_options(tiny_model, request_kwargs, message):
-    from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
-
-    args = server_args(tiny_model, numerics="train_parity")
-    with pytest.raises(TrainParityError, match=message):
-        sampling_params(tiny_model, args, **request_kwargs)
-    sampling_params(
-        tiny_model, server_args(tiny_model), **request_kwargs
-    )  # default mode: fine
+def test_rope_tables_option_needs_train_parity(tiny_model):
+    args = server_args(tiny_model, numerics="train_parity", train_parity_rope_tables="cpu")
+    assert args.train_parity_rope_tables == "cpu"
+    with pytest.raises(ValueError, match="applies only with --numerics train_parity"):
+        server_args(tiny_model, train_parity_rope_tables="cpu")
 
 
 # ------------------------------------------------------------------- dispatch
-
-
-def test_custom_op_dispatches_forward_train_parity_only_in_that_mode():
-    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
-    from sglang.multimodal_gen.runtime.utils.train_parity import (
-        get_numerics_mode,
-        numerics_mode_context,
-    )
-
-    class WithTrainParity(CustomOp):
-        def forward_native(self):
-            return "native"
-
-        def forward_train_parity(self):
-            return "train_parity"
-
-    class WithoutTrainParity(CustomOp):
-        def forward_native(self):
-            return "native"
-
-    assert WithTrainParity()() == "native"
-    with numerics_mode_context("train_parity"):
-        assert get_numerics_mode() == "train_parity"
-        built_in_mode = WithTrainParity()
-        assert WithoutTrainParity()() == "native"
-    assert get_numerics_mode() == "default"
-    assert built_in_mode() == "train_parity"  # chosen at construction, kept afterwards
-    with pytest.raises(ValueError, match="numerics must be one of"):
-        with numerics_mode_context("fast"):
-            pass
 
 
 def _dit_forward(

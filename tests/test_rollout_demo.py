@@ -1,6 +1,7 @@
-"""The main job end to end (issue 4, section 2): `sglang train-parity-demo` starts real sglang
-servers on CPU, pushes 3 LoRA updates, rolls out with true CFG, and recomputes every step as the
-trainer does: exactly 0.0 under train_parity, nonzero under default, nothing left running."""
+"""The main job end to end: `sglang-train-parity demo` starts real sglang servers on CPU, pushes 3
+LoRA updates, rolls out with true CFG, and recomputes every step as the trainer does: exactly 0.0
+under train_parity with the server's policy checksum equal to the trainer's, nonzero under
+default, nothing left running."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SGLANG = Path(sys.executable).with_name("sglang")
+DEMO = [str(Path(sys.executable).with_name("sglang-train-parity")), "demo"]
 UPDATE_LINE = re.compile(
     r"^\[(train_parity|default)\] update (\d): .* "
-    r"model_output_max_abs_diff=(\S+) model_output_mean_abs_diff=(\S+)$",
+    r"model_output_max_abs_diff=(\S+) model_output_mean_abs_diff=(\S+) "
+    r"policy_checksum=(\S+)$",
     re.M,
 )
 
@@ -57,14 +59,7 @@ def live_processes(tag: str) -> list[int]:
 def test_demo_train_parity_is_exact_and_default_is_not(model_dir, tmp_path):
     env, tag = tagged_env(tmp_path)
     result = subprocess.run(
-        [
-            str(SGLANG),
-            "train-parity-demo",
-            "--model-dir",
-            str(model_dir),
-            "--updates",
-            "3",
-        ],
+        [*DEMO, "--model-dir", str(model_dir), "--updates", "3"],
         capture_output=True,
         text=True,
         timeout=480,
@@ -72,12 +67,16 @@ def test_demo_train_parity_is_exact_and_default_is_not(model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     diffs = {
-        (mode, int(update)): (float(max_diff), float(mean_diff))
-        for mode, update, max_diff, mean_diff in UPDATE_LINE.findall(result.stdout)
+        (mode, int(update)): (float(max_diff), float(mean_diff), checksum)
+        for mode, update, max_diff, mean_diff, checksum in UPDATE_LINE.findall(
+            result.stdout
+        )
     }
-    assert [diffs[("train_parity", u)] for u in (1, 2, 3)] == [(0.0, 0.0)] * 3
+    assert [diffs[("train_parity", u)] for u in (1, 2, 3)] == [(0.0, 0.0, "equal")] * 3
+    # the default server packs the text Q/K/V: other weights, other numerics
     assert all(diffs[("default", u)][0] > 0 for u in (1, 2, 3))
-    assert re.search(r"^1 +\| 0\.0 / 0\.0 +\| \d", result.stdout, re.M)  # the table
+    assert all(diffs[("default", u)][2] == "differs" for u in (1, 2, 3))
+    assert re.search(r"^1 +\| 0\.0 / 0\.0 +\| equal +\| \d", result.stdout, re.M)
     assert live_processes(tag) == []
 
 
@@ -85,8 +84,7 @@ def test_demo_stops_its_server_on_ctrl_c(model_dir, tmp_path):
     env, tag = tagged_env(tmp_path)
     demo = subprocess.Popen(
         [
-            str(SGLANG),
-            "train-parity-demo",
+            *DEMO,
             "--model-dir",
             str(model_dir),
             "--skip-default",

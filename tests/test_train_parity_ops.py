@@ -15,7 +15,6 @@ import itertools  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from functools import partial  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,12 +36,6 @@ from sglang.multimodal_gen.runtime.layers.layernorm import (  # noqa: E402
     LayerNormScaleShift,
     RMSNorm,
     ScaleResidualLayerNormScaleShift,
-)
-from sglang.multimodal_gen.runtime.managers.forward_context import (  # noqa: E402
-    set_forward_context,
-)
-from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import (  # noqa: E402
-    _check_train_parity_peft_config,
 )
 from sglang.multimodal_gen.runtime.utils.train_parity import (  # noqa: E402
     numerics_mode_context,
@@ -391,7 +384,7 @@ def lora_case(kind, scaling, numerics, merge_weights=False, point=LORA_GRID[-1])
 @pytest.mark.parametrize("kind", LORA_KINDS)
 def test_lora_matches_peft(tp1, kind, scaling, point):
     layer, actual, expected = lora_case(kind, scaling, TRAIN_PARITY, point=point)
-    assert layer.train_parity
+    assert layer.peft_forward
     assert layer.lora_A.dtype == layer.lora_B.dtype == BF16  # the masters' bf16 copies
     assert_bitwise(actual, expected)
 
@@ -404,76 +397,5 @@ def test_default_or_merged_lora_differs(tp1, kind, merge_weights):
     """The control: upstream's fp32 delta, or the update merged into the bf16 weight, misses
     PEFT's bits at a scale that is not a power of two."""
     layer, actual, expected = lora_case(kind, "0.3", DEFAULT, merge_weights)
-    assert not layer.train_parity
+    assert not layer.peft_forward
     assert mismatches(actual, expected)
-
-
-LORA_REJECTIONS = {
-    "merge": ({"merge_weights": True}, r"merged weights"),
-    "strength": ({"strength": 0.5}, r"strength 0\.5"),
-    "output_offset": (
-        {"output_offset": torch.zeros(OUT_FEATURES)},
-        r"an output offset",
-    ),
-    "stacked_3d": (
-        {
-            "A": torch.zeros(2, 4, IN_FEATURES),
-            "B": torch.zeros(2, OUT_FEATURES, 4),
-        },
-        r"stacked \(3-D\) A/B",
-    ),
-    # The layer already holds one adapter; appending a second stacks them.
-    "second_adapter": ({"clear_existing": False}, r"several stacked adapters"),
-}
-
-
-@pytest.mark.parametrize("rejection", LORA_REJECTIONS)
-def test_lora_rejects_what_peft_does_not_run(tp1, rejection):
-    masters = LoraMasters.random(4, 8)
-    layer = sglang_lora_layer("column", masters, TRAIN_PARITY)
-    overrides, message = LORA_REJECTIONS[rejection]
-    kwargs = {
-        "A": masters.lora_A,
-        "B": masters.lora_B,
-        "merge_weights": False,
-        "clear_existing": True,
-        **overrides,
-    }
-    with pytest.raises(ValueError, match=message):
-        layer.set_lora_weights(**kwargs)
-
-
-@pytest.mark.parametrize("kind", LORA_KINDS)
-def test_lora_rejects_runtime_scale_at_forward(tp1, kind):
-    layer = sglang_lora_layer(kind, LoraMasters.random(4, 8), TRAIN_PARITY)
-    request = SimpleNamespace(runtime_lora_scale=0.5)
-    with set_forward_context(
-        current_timestep=0, attn_metadata=None, forward_batch=request
-    ):
-        with pytest.raises(ValueError, match="scale 1"):
-            run_layer(layer, rand(1, 7, IN_FEATURES))
-
-
-@pytest.mark.parametrize(
-    "setting,problem",
-    [
-        ({"use_rslora": True}, "use_rslora"),
-        ({"use_dora": True}, "use_dora"),
-        ({"lora_dropout": 0.05}, r"lora_dropout=0\.05"),
-    ],
-)
-def test_peft_config_rejects_what_train_parity_does_not_run(setting, problem):
-    with pytest.raises(ValueError, match=problem):
-        _check_train_parity_peft_config({"r": 4, "lora_alpha": 8, **setting})
-
-
-def test_peft_config_accepts_plain_lora():
-    _check_train_parity_peft_config(
-        {
-            "r": 4,
-            "lora_alpha": 8,
-            "lora_dropout": 0.0,
-            "use_rslora": False,
-            "use_dora": False,
-        }
-    )

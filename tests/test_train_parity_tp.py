@@ -1,7 +1,7 @@
 """Tensor parallelism under `numerics="train_parity"`: with TP=2 the LoRA-wrapped Column/Row
 parallel linears keep sglang's TP-aware forward (sharded base weights, sliced adapter, all-reduce),
 which is correct but not bitwise; their outputs match the single-process train_parity result
-within bf16 tolerance. Two CPU processes over gloo.
+within bf16 tolerance, and the adapter rules still hold. Two CPU processes over gloo.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def tp_run(tmp_path_factory):
     single = {}
     for kind in ("column", "row"):
         layer = sglang_lora_layer(kind, masters, "train_parity")
-        assert layer.train_parity
+        assert layer.peft_forward
         single[kind] = run_layer(layer, x)
     out_dir = tmp_path_factory.mktemp("tp")
     mp.spawn(
@@ -51,8 +51,16 @@ def test_tp_layers_keep_the_tp_aware_forward(tp_run, rank):
     _, ranks = tp_run
     outputs = ranks[rank]
     assert outputs["tp_world_size"] == TP_SIZE
-    assert outputs["column_train_parity"] is False
-    assert outputs["row_train_parity"] is False
+    assert outputs["column_peft_forward"] is False
+    assert outputs["row_peft_forward"] is False
+
+
+@pytest.mark.parametrize("rank", range(TP_SIZE))
+def test_tp_layers_keep_the_adapter_rules(tp_run, rank):
+    """Only the bitwise forward is given up at TP > 1: a strength of 0.5 is still refused."""
+    outputs = tp_run[1][rank]
+    for kind in ("column", "row"):
+        assert "does not support LoRA strength 0.5" in outputs[f"{kind}_refused"]
 
 
 @pytest.mark.parametrize("rank", range(TP_SIZE))

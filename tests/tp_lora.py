@@ -170,8 +170,15 @@ def tp_worker(
 
     init_parallel(tp_size, rank, port)
     outputs = {"tp_world_size": get_tp_world_size()}
+    from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
+
     for kind, layer_input in (("column", x), ("row", x.chunk(tp_size, -1)[rank])):
         layer = sglang_lora_layer(kind, masters, "train_parity")
-        outputs[f"{kind}_train_parity"] = layer.train_parity
+        outputs[f"{kind}_peft_forward"] = layer.peft_forward
+        try:  # the adapter rules hold at any TP size
+            layer.set_lora_weights(masters.lora_A, masters.lora_B, strength=0.5)
+            outputs[f"{kind}_refused"] = None
+        except TrainParityError as e:
+            outputs[f"{kind}_refused"] = str(e)
         outputs[kind] = run_layer(layer, layer_input)
     torch.save(outputs, out_dir / f"rank{rank}.pt")

@@ -145,8 +145,12 @@ class TrainParityContract:
 
 
 def train_parity_contract(pipeline_config: Any) -> TrainParityContract | None:
-    """The contract declared by ``pipeline_config``'s own class, not a parent's."""
-    return vars(type(pipeline_config)).get("train_parity_contract")
+    """The contract declared by ``pipeline_config``'s own class (or by that class, when
+    given one), not a parent's."""
+    config_cls = (
+        pipeline_config if isinstance(pipeline_config, type) else type(pipeline_config)
+    )
+    return vars(config_cls).get("train_parity_contract")
 
 
 def supported_families() -> str:

@@ -60,6 +60,7 @@ def test_only_text_to_image_qwen_opts_in():
     assert CONTRACT.dit == "QwenImageTransformer2DModel"
     for variant in (QwenImageEditPipelineConfig, QwenImageLayeredPipelineConfig):
         assert train_parity.train_parity_contract(variant()) is None
+    assert train_parity.supported_families() == "Qwen-Image (QwenImagePipelineConfig)"
 
 
 def test_the_contract_lists_every_op_the_dit_builds():

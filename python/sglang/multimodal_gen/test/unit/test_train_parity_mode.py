@@ -91,7 +91,9 @@ def test_contracts_are_not_inherited():
         pass
 
     assert train_parity.train_parity_contract(Family()) is not None
+    assert train_parity.train_parity_contract(Family) is not None
     assert train_parity.train_parity_contract(Variant()) is None
+    assert train_parity.train_parity_contract(Variant) is None
 
 
 def _dit_classes() -> dict[str, type]:
