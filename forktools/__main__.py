@@ -9,6 +9,7 @@ from pathlib import Path
 
 from forktools.series import PatchError, apply_series, read_series
 from forktools.review import format_review, review_series
+from forktools.upstream_suite import compare_with_pristine, installed_fork_root
 from forktools.tree import export_tree, export_upstream_diffs, open_tree, rebase_tree
 from forktools.upstream import UPSTREAM_WHEEL_ENV, UpstreamError, load_pin, obtain_wheel
 from forktools.wheelbuild import build_wheel
@@ -65,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--no-tests", action="store_true", help="apply and check style only"
+    )
+    _wheel_arg(p)
+
+    p = sub.add_parser(
+        "upstream-suite",
+        help="upstream's unit tests on the installed fork; a test that passes on the "
+        "pristine release and not on the fork fails the run",
     )
     _wheel_arg(p)
 
@@ -126,6 +134,16 @@ def _run(args: argparse.Namespace) -> int:
         for review in reviews:
             print(format_review(review))
         return 0 if all(r.ok for r in reviews) else 1
+    elif args.command == "upstream-suite":
+        wheel = obtain_wheel(pin, args.upstream_wheel)
+        with tempfile.TemporaryDirectory() as tmp:
+            from wheel.cli.unpack import unpack
+
+            unpack(str(wheel), tmp)
+            pristine = Path(tmp) / f"{pin.package}-{pin.version}"
+            comparison = compare_with_pristine(installed_fork_root(pin), pristine)
+        print(comparison.summary())
+        return 1 if comparison.regressions else 0
     return 0
 
 

@@ -455,7 +455,8 @@ def _request_option_conflicts(params: Any) -> Iterator[tuple[str, str, str]]:
 def adjust_sampling_params(params: Any, server_args: ServerArgs) -> None:
     """Per request: the exact quality tier; refuse options that change the DiT
     forward or the CFG combine (see `_request_option_conflicts`)."""
-    if server_args.numerics != NUMERICS_TRAIN_PARITY:
+    # Lighter stand-ins for ServerArgs (tests, tools) carry no numerics: the default.
+    if getattr(server_args, "numerics", NUMERICS_DEFAULT) != NUMERICS_TRAIN_PARITY:
         return
     explicit = getattr(params, "_explicit_fields", set())
     if "quality" not in explicit:
