@@ -215,3 +215,39 @@ def test_default_numerics_keeps_upstream_request_rules(model_dir, options):
     SamplingParams.from_user_sampling_params_args(
         str(model_dir), args, prompt="a cat", **options
     )
+
+
+# The LoRA entry points other than the sync path: none may change the served adapter.
+LORA_ENDPOINT_BYPASSES = [
+    ("/v1/merge_lora_weights", dict(strength=0.5), "/merge_lora_weights"),
+    ("/v1/merge_lora_weights", dict(), "/merge_lora_weights"),
+    ("/v1/unmerge_lora_weights", dict(), "/unmerge_lora_weights"),
+    (
+        "/v1/set_lora",
+        dict(lora_nickname="other", lora_path="/no/such/adapter", strength=0.5),
+        "LoRA strength 0.5",
+    ),
+    (
+        "/v1/set_lora",
+        dict(lora_nickname="other", lora_path="/no/such/adapter", merge_mode="merge"),
+        "merged LoRA weights",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "path, body, refused",
+    LORA_ENDPOINT_BYPASSES,
+    ids=[f"{path} {body}" for path, body, _ in LORA_ENDPOINT_BYPASSES],
+)
+def test_lora_endpoints_cannot_change_the_served_policy(
+    server, served, path, body, refused
+):
+    """Measured before the rules: merge at strength 0.5 then unmerge answered 200 and moved
+    rollouts by up to 1.14 while /get_weights_checksum stayed the same."""
+    before = demo.policy_checksum(server)
+    response = server.post(path, **body)
+    assert response.status_code != 200, response.text[:500]
+    assert f"--numerics train_parity does not support {refused}" in response.text
+    assert demo.policy_checksum(server) == before
+    assert_serves_with_parity(server, served)

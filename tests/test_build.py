@@ -24,7 +24,25 @@ def test_wheel_name_and_version(pin, fork_wheel, upstream_wheel):
     assert "Name: sglang\n" in metadata
     assert f"\nVersion: {pin.fork_version}\n" in metadata
     assert not any(n.startswith(f"sglang-{pin.version}.dist-info/") for n in names)
-    assert "sglang/multimodal_gen/runtime/utils/numerics_mode.py" in names
+    assert "sglang/multimodal_gen/runtime/utils/train_parity.py" in names
+    assert "sglang_train_parity/cli.py" in names  # the fork's tools, outside sglang/
+    assert not any(n.startswith("sglang/multimodal_gen/train_parity/") for n in names)
+
+
+def test_wheel_declares_the_tools(pin, fork_wheel):
+    """`pip install ".[train-parity]"` brings the tools' dependencies; the tools' command is a
+    console script; the diffusion extra pins the same diffusers."""
+    with zipfile.ZipFile(fork_wheel) as zf:
+        info = f"sglang-{pin.fork_version}.dist-info"
+        metadata = zf.read(f"{info}/METADATA").decode()
+        entry_points = zf.read(f"{info}/entry_points.txt").decode()
+    assert "Provides-Extra: train-parity\n" in metadata
+    for requirement in ("diffusers==0.42.1", "peft<0.22,>=0.21", "matplotlib>=3.8"):
+        assert f'Requires-Dist: {requirement}; extra == "train-parity"' in metadata
+    assert 'Requires-Dist: diffusers==0.42.1; extra == "diffusion"' in metadata
+    assert "diffusers==0.37.0" not in metadata
+    assert "sglang-train-parity = sglang_train_parity.cli:main" in entry_points
+    assert "sglang = sglang.cli.main:main" in entry_points
 
 
 def test_installed_distribution_is_the_fork(pin):

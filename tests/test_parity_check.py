@@ -1,6 +1,7 @@
-"""`sglang parity-check` on the tiny Qwen-Image model (CPU): bitwise equal under train_parity with
-a LoRA adapter, the negative control (`--numerics default`) fails and names the first diverging
-module, and bad input is refused with a clear message (exit 2) before any model is loaded."""
+"""`sglang-train-parity check` on the tiny Qwen-Image model (CPU): bitwise equal under train_parity
+with a LoRA adapter, the negative control (`--numerics default`) fails and names the first
+diverging module, a RoPE-table mismatch names the option that fixes it, and bad input is refused
+with a clear message (exit 2) before any model is loaded."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SGLANG = (
-    Path(sys.executable).parent / "sglang"
-)  # the console script of this environment
+# the console script of this environment
+CHECK = [str(Path(sys.executable).parent / "sglang-train-parity"), "check"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def parity_check(*args: str) -> subprocess.CompletedProcess:
     """The tool in its own process: it loads the sglang DiT, which sets process globals."""
     return subprocess.run(
-        [str(SGLANG), "parity-check", *args], capture_output=True, text=True
+        [*CHECK, *args], capture_output=True, text=True
     )
 
 
@@ -109,7 +109,9 @@ def test_unknown_model_family_is_refused(not_qwen_model, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model-path", str(not_qwen_model)])
     assert exit_info.value.code == 2
-    assert "'FluxTransformer2DModel' has no parity pairing" in capsys.readouterr().err
+    message = capsys.readouterr().err
+    assert "'FluxTransformer2DModel' is no train_parity family's" in message
+    assert "supported: QwenImageTransformer2DModel" in message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -120,3 +122,22 @@ def test_cuda_without_cuda_is_refused(capsys):
         main(["--device", "cuda"])
     assert exit_info.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_rope_table_mismatch_names_the_option(capsys):
+    """On CPU trainer and server tables are built on the same device whatever the option; the
+    report of a run where they differ (as on a GPU) points at the option."""
+    from types import SimpleNamespace
+
+    from sglang_train_parity.check import ROPE_TABLES_HINT, print_report
+
+    modules = [
+        {"index": 0, "sglang": "rotary_emb", "diffusers": "pos_embed", "dtype": "complex64",
+         "shape": [64, 64], "cases": 1, "cases_equal": 0, "equal": False,
+         "max_abs_diff": 1e-7, "max_ulp": None},
+    ]  # fmt: skip
+    args = SimpleNamespace(all_modules=False, max_rows=40, out_dir=Path("out"))
+    print_report(modules, [], [], args)
+    out = capsys.readouterr().out
+    assert "first divergence: rotary_emb" in out
+    assert ROPE_TABLES_HINT in out and "--train-parity-rope-tables" in ROPE_TABLES_HINT

@@ -13,12 +13,15 @@ import pytest
 from wheel.cli.pack import pack
 from wheel.cli.unpack import unpack
 
+from forktools.review import format_review, review_series
 from forktools.series import (
     NEW_FILES_DIR,
     PATCHES_DIR,
     REQUIRED_SECTIONS,
     PatchError,
+    added_file_texts,
     apply_patch,
+    apply_series,
     new_files,
     read_series,
     upstream_path,
@@ -44,8 +47,49 @@ def _first_hunk_target(patch) -> tuple[str, int]:
 def test_every_patch_applies_in_order_exactly(pristine_package, tmp_path):
     root = tmp_path / "pkg"
     shutil.copytree(pristine_package / "sglang", root / "sglang")
-    for patch in read_series():
-        assert apply_patch(patch, root), patch.name
+    applied = apply_series(read_series(), root)
+    assert [p.name for p, _, _ in applied] == [p.name for p in read_series()]
+    assert all(changed for _, changed, _ in applied)
+
+
+TRAIN_PARITY_MODULE = "python/sglang/multimodal_gen/runtime/utils/train_parity.py"
+
+
+def test_a_patch_builds_on_a_file_an_earlier_patch_adds():
+    """train_parity.py arrives with the --numerics patch; the LoRA patch adds its rules later,
+    so the first patch's version lacks them and python/ holds the final file."""
+    patches = read_series()
+    texts = added_file_texts(patches)
+    adding = next(i for i, p in enumerate(patches) if TRAIN_PARITY_MODULE in p.adds)
+    first = texts[adding][TRAIN_PARITY_MODULE]
+    final = (NEW_FILES_DIR.parent / TRAIN_PARITY_MODULE).read_text()
+    assert "def check_lora(" not in first and "def check_lora(" in final
+    later = [p.name for p in patches[adding + 1 :] if TRAIN_PARITY_MODULE in p.diff]
+    assert later, "later patches change the file"
+
+
+def test_upstream_diffs_carry_no_fork_metadata(tmp_path):
+    for path in export_upstream_diffs(tmp_path):
+        header = path.read_text().split("\ndiff --git ", 1)[0]
+        assert "Adds: " not in header, path.name
+        for section in REQUIRED_SECTIONS:
+            assert section in header, (path.name, section)
+
+
+@pytest.fixture(scope="module")
+def reviews(pin, pristine_package):
+    """Each upstream diff on the pristine tree with its predecessors: git apply, upstream's
+    formatters on its added lines, its own unit tests."""
+    return {r.name: r for r in review_series(pin, pristine_package)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [p.name for p in read_series()])
+def test_upstream_diff_is_reviewable_on_its_own(reviews, name):
+    review = reviews[name]
+    assert review.ok, format_review(review)
+    assert review.tests, f"{name} carries no unit test in upstream's layout"
+    assert review.tests_passed
 
 
 def test_series_lists_every_patch_file_once():
