@@ -40,7 +40,7 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
 fi
 if [ "$what" = tool ]; then
-    # the shipped `sglang parity-check` on the GPU (real autocast, _native_flash), tiny model built there
+    # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model built there
     for rope in cpu device; do
         timeout "${TOOL_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
