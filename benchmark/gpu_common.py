@@ -196,9 +196,9 @@ def load_fork_dit(model_dir: Path, **server_kwargs):
     ServerArgs (numerics, train_parity_rope_tables, attention_backend); it stays on the device.
     """
     import torch
+    from sglang_train_parity.sglang_dit import load_dit
 
     from sglang.multimodal_gen.runtime.server_args import get_global_server_args
-    from sglang_train_parity.sglang_dit import load_dit
 
     model = load_dit(
         model_dir,

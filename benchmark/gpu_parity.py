@@ -107,12 +107,8 @@ class Comparator:
 
     def compare_one(self, name: str, out, key: str):
         import torch
-
         from sglang_train_parity.compare import ulp_distance
-        from sglang_train_parity.reference import (
-            Pairing,
-            sglang_to_diffusers,
-        )
+        from sglang_train_parity.reference import Pairing, sglang_to_diffusers
 
         pair = sglang_to_diffusers(name, lora=self.lora) if name else None
         if pair is not None and pair.pairing in (
@@ -207,7 +203,6 @@ def run_grid(
     """For each case: every reference forward once (outputs kept on the device for this case only),
     then every fork forward compared against every reference."""
     import torch
-
     from sglang_train_parity.reference import reference_forward
 
     records = []
@@ -305,12 +300,8 @@ def main() -> int:
 
     import torch
     from diffusers import QwenImageTransformer2DModel
-
     from sglang_train_parity.reference import random_lora_state
-    from sglang_train_parity.sglang_dit import (
-        push_lora,
-        wrap_linears_for_lora,
-    )
+    from sglang_train_parity.sglang_dit import push_lora, wrap_linears_for_lora
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("CUDA is not available (use --device cpu --tiny for a dry run)")

@@ -81,12 +81,8 @@ def gpu_lora_state(
     """train_parity.reference.random_lora_state's distribution, generated on the device."""
     import torch
     from diffusers import QwenImageTransformer2DModel
+    from sglang_train_parity.reference import _LORA_DELTA_GAIN, is_lora_target
     from torch import nn
-
-    from sglang_train_parity.reference import (
-        _LORA_DELTA_GAIN,
-        is_lora_target,
-    )
 
     with torch.device("meta"):
         meta = QwenImageTransformer2DModel(**config)
@@ -261,11 +257,7 @@ def timesteps_for(n: int, device):
 
 def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harness=None):
     import torch
-
-    from sglang_train_parity.sglang_dit import (
-        push_lora,
-        wrap_linears_for_lora,
-    )
+    from sglang_train_parity.sglang_dit import push_lora, wrap_linears_for_lora
 
     kwargs = {"numerics": numerics}
     if numerics == "default" and device == "cuda":
@@ -340,7 +332,6 @@ def build_diffusers(config: dict, device: str):
     import torch
     from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-
     from sglang_train_parity.reference import (
         ADAPTER,
         LORA_TARGETS,
@@ -372,7 +363,6 @@ def build_diffusers(config: dict, device: str):
 
 def diffusers_step_fn(model, config, grid, txt, device):
     import torch
-
     from sglang_train_parity.autocast_emulation import cuda_autocast
 
     latents, text, img_shapes = make_inputs(config, grid, txt, device)

@@ -7,11 +7,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forktools.series import PatchError, apply_series, read_series
 from forktools.review import format_review, review_series
-from forktools.upstream_suite import compare_with_pristine, installed_fork_root
+from forktools.series import PatchError, apply_series, read_series
 from forktools.tree import export_tree, export_upstream_diffs, open_tree, rebase_tree
 from forktools.upstream import UPSTREAM_WHEEL_ENV, UpstreamError, load_pin, obtain_wheel
+from forktools.upstream_suite import compare_with_pristine, installed_fork_root
 from forktools.wheelbuild import build_wheel
 
 
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         help="each upstream diff in order on the pristine tree: git apply, upstream's "
         "formatters on its added lines, its own unit tests",
     )
-    p.add_argument(
-        "--no-tests", action="store_true", help="apply and check style only"
-    )
+    p.add_argument("--no-tests", action="store_true", help="apply and check style only")
     _wheel_arg(p)
 
     p = sub.add_parser(

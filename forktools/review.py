@@ -5,17 +5,16 @@ against the tree holding it and its predecessors, and nothing later."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from forktools.series import Patch, read_series, upstream_path
+from forktools.series import UPSTREAM_PREFIX, Patch, read_series, upstream_path
 from forktools.style import style_problems
 from forktools.tree import TREE_PACKAGE_DIR, export_upstream_diffs
 from forktools.upstream import Pin
+from forktools.upstream_suite import run_pytest
 
 UNIT_TESTS = "python/sglang/multimodal_gen/test/unit/"
 
@@ -54,23 +53,8 @@ def _touched(diff_path: Path) -> list[str]:
 
 
 def _run_tests(repo: Path, tests: list[str]) -> tuple[bool, str]:
-    """pytest on `tests` with the tree's python/ first on the path, from a folder outside it
-    (so no conftest or rootdir of this repository applies)."""
-    env = dict(os.environ, PYTHONPATH=str(repo / TREE_PACKAGE_DIR))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            *(str(repo / t) for t in tests),
-        ],
-        cwd=repo / TREE_PACKAGE_DIR,
-        env=env,
-        capture_output=True,
-        text=True,
+    result = run_pytest(
+        repo / TREE_PACKAGE_DIR, [t.removeprefix(UPSTREAM_PREFIX) for t in tests]
     )
     return result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -99,9 +83,9 @@ def review_series(
             applied = _git(repo, "apply", str(diff_path))
             review = PatchReview(
                 patch.name,
-                applies=(applied.stderr.strip() or "failed")
-                if applied.returncode
-                else "",
+                applies=(
+                    (applied.stderr.strip() or "failed") if applied.returncode else ""
+                ),
                 style=[],
                 tests=sorted(t for t in touched if t.startswith(UNIT_TESTS)),
             )
@@ -109,7 +93,9 @@ def review_series(
             if review.applies:
                 break  # later diffs build on this one
             for rel in touched:
-                review.style += style_problems(rel, before[rel], (repo / rel).read_text())
+                review.style += style_problems(
+                    rel, before[rel], (repo / rel).read_text()
+                )
             if run_tests and review.tests:
                 review.tests_passed, review.test_output = _run_tests(repo, review.tests)
     return reviews

@@ -147,7 +147,11 @@ def upstream_path(path: str) -> str:
 
 
 def _apply_file_hunks(
-    patch: Patch, rel: str, pfile: unidiff.PatchedFile, original: list[str], reverse: bool
+    patch: Patch,
+    rel: str,
+    pfile: unidiff.PatchedFile,
+    original: list[str],
+    reverse: bool,
 ) -> list[str]:
     """`original` with the hunks of `pfile` applied exactly (undone when `reverse`)."""
     out: list[str] = []
@@ -234,7 +238,9 @@ def added_file_texts(patches: list[Patch]) -> list[dict[str, str]]:
             for later in reversed(patches[index + 1 :]):
                 for pfile in _parse_diff(later):
                     if upstream_path(pfile.target_file) == rel:
-                        lines = _apply_file_hunks(later, rel, pfile, lines, reverse=True)
+                        lines = _apply_file_hunks(
+                            later, rel, pfile, lines, reverse=True
+                        )
             files[rel] = "".join(lines)
         texts.append(files)
     return texts
@@ -269,7 +275,9 @@ def write_added_files(
             )
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
-        os.chmod(target, 0o644)  # whatever the umask: the wheel's bytes stay reproducible
+        os.chmod(
+            target, 0o644
+        )  # whatever the umask: the wheel's bytes stay reproducible
 
 
 def new_files(patches: list[Patch]) -> dict[str, Patch]:

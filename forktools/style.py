@@ -15,9 +15,7 @@ import tempfile
 from pathlib import Path
 
 # upstream's .pre-commit-config.yaml (-L) and python/pyproject.toml [tool.codespell]
-CODESPELL_IGNORE = (
-    "cann,thi,makro,wil,rouge,PRIS,ans,als,hel,boostrap,childs,te,vas,hsa,ment"
-)
+CODESPELL_IGNORE = "cann,thi,makro,wil,rouge,PRIS,ans,als,hel,boostrap,childs,te,vas,hsa,ment"  # codespell:ignore
 
 
 def formatted(text: str) -> str:

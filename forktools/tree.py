@@ -101,7 +101,9 @@ def apply_as_commit(patch: Patch, added: dict[str, str], tree: Path) -> None:
 def open_tree(pin: Pin, upstream_wheel: Path, tree: Path) -> list[Patch]:
     """Editable tree: upstream, then one commit per patch of the series (with its new files)."""
     patches = read_series()
-    texts = added_file_texts(patches)  # every file under python/ is claimed exactly once
+    texts = added_file_texts(
+        patches
+    )  # every file under python/ is claimed exactly once
     init_upstream_tree(pin, upstream_wheel, tree)
     for patch, added in zip(patches, texts):
         apply_as_commit(patch, added, tree)

@@ -50,26 +50,30 @@ def _test_file(root: Path, test_id: str) -> str | None:
     return None
 
 
-def run_unit_tests(root: Path, targets: list[str], junit: Path) -> dict[str, str]:
-    """pytest on `targets` (paths relative to `root`, the folder holding `sglang/`), with
-    `root` first on the path."""
-    env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--continue-on-collection-errors",
-            f"--junitxml={junit}",
-            *targets,
-        ],
+def run_pytest(
+    root: Path, targets: list[str], *options: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """pytest on `targets` (paths relative to `root`, the folder holding `sglang/`) with
+    `root` first on the path and as the working folder, so that no conftest or rootdir of
+    this repository applies."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
+        + [str(root / t) for t in targets],
         cwd=root,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONPATH=str(root), **(env or {})),
+        capture_output=True,
+        text=True,
+    )
+
+
+def run_unit_tests(root: Path, targets: list[str], junit: Path) -> dict[str, str]:
+    """Each test's outcome, from a pytest run that goes on past modules failing to import."""
+    run_pytest(
+        root,
+        targets,
+        "--continue-on-collection-errors",
+        f"--junitxml={junit}",
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
     )
     return _outcomes(junit)
 
@@ -97,7 +101,9 @@ class SuiteComparison:
         )
 
     def summary(self) -> str:
-        counts = {o: sum(v == o for v in self.fork.values()) for o in (OK, SKIPPED, FAILED)}
+        counts = {
+            o: sum(v == o for v in self.fork.values()) for o in (OK, SKIPPED, FAILED)
+        }
         lines = [
             f"fork: {counts[OK]} passed, {counts[SKIPPED]} skipped, {counts[FAILED]} failed "
             f"(failing on pristine too: {len(self.failing_on_both)}); regressions: "

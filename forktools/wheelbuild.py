@@ -45,12 +45,15 @@ def prepare_tree(pin: Pin, upstream_wheel: Path, dest: Path) -> Path:
 
 def tools_requirements() -> list[Requirement]:
     lines = (TOOLS_DIR / "requirements.txt").read_text().splitlines()
-    return [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    return [
+        Requirement(line) for line in lines if line.strip() and not line.startswith("#")
+    ]
 
 
 def _add_tools_metadata(metadata: str) -> str:
     """The `train-parity` extra: the tools' requirements, and the same pins in the other
-    extras that name the same projects (one diffusers whichever extras are installed)."""
+    extras that name the same projects (one diffusers whichever extras are installed).
+    """
     pins = {canonicalize_name(r.name): r for r in tools_requirements()}
 
     def repin(match: re.Match) -> str:

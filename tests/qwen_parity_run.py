@@ -22,11 +22,8 @@ os.environ.setdefault(
 )  # upstream compiles forward_native on CPU
 
 import torch  # noqa: E402
-
 from sglang_train_parity.compare import compare_modules  # noqa: E402
-from sglang_train_parity.cpu_kernels import (  # noqa: E402
-    register_cpu_kernels,
-)
+from sglang_train_parity.cpu_kernels import register_cpu_kernels  # noqa: E402
 from sglang_train_parity.reference import (  # noqa: E402
     QwenDiTInputs,
     build_reference,

@@ -21,12 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
+from sglang_train_parity.autocast_emulation import CUDA_POLICY, cuda_autocast
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-from sglang_train_parity.autocast_emulation import (
-    CUDA_POLICY,
-    cuda_autocast,
-)
 
 bf16, fp32, fp64, c64 = torch.bfloat16, torch.float32, torch.float64, torch.complex64
 D = 16

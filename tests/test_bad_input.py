@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from sglang_train_parity import rollout_demo as demo
 
 pytestmark = pytest.mark.slow

@@ -27,9 +27,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def parity_check(*args: str) -> subprocess.CompletedProcess:
     """The tool in its own process: it loads the sglang DiT, which sets process globals."""
-    return subprocess.run(
-        [*CHECK, *args], capture_output=True, text=True
-    )
+    return subprocess.run([*CHECK, *args], capture_output=True, text=True)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from sglang_train_parity.reference import (
     LORA_TARGETS,
     SGLANG_TO_DIFFUSERS,
@@ -109,11 +108,12 @@ def test_params_are_bf16_roundings_of_fp32_masters():
 def run_sglang_dit(model_dir: Path, out: Path) -> None:
     """Subprocess body: the fork's DiT (train_parity) on `INPUTS`; saves every module's output and,
     after wrapping every Linear like the LoRA weight updater does, every module name."""
+    from sglang_train_parity.sglang_dit import load_dit, sglang_forward
+
     from sglang.multimodal_gen.runtime.layers.lora.linear import (
         replace_submodule,
         wrap_with_lora_layer,
     )
-    from sglang_train_parity.sglang_dit import load_dit, sglang_forward
 
     model = load_dit(model_dir, numerics="train_parity")
     outputs = sglang_forward(model, QwenDiTInputs.random(**INPUTS))

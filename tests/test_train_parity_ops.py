@@ -24,6 +24,8 @@ from diffusers.models.transformers.transformer_qwenimage import (  # noqa: E402
     QwenImageTransformerBlock,
     apply_rotary_emb_qwen,
 )
+from sglang_train_parity.autocast_emulation import cuda_autocast  # noqa: E402
+from sglang_train_parity.cpu_kernels import register_cpu_kernels  # noqa: E402
 from torch import nn  # noqa: E402
 
 from sglang.multimodal_gen.runtime.layers import train_parity_ops  # noqa: E402
@@ -39,12 +41,6 @@ from sglang.multimodal_gen.runtime.layers.layernorm import (  # noqa: E402
 )
 from sglang.multimodal_gen.runtime.utils.train_parity import (  # noqa: E402
     numerics_mode_context,
-)
-from sglang_train_parity.autocast_emulation import (  # noqa: E402
-    cuda_autocast,
-)
-from sglang_train_parity.cpu_kernels import (  # noqa: E402
-    register_cpu_kernels,
 )
 from tests.tp_lora import (  # noqa: E402
     BF16,

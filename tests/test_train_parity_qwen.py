@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sglang_train_parity.tiny_model import build_tiny_qwen_image
+
 from tests.conftest import run
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,12 +24,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tqdm import tqdm
-
-from sglang.multimodal_gen.runtime.utils.train_parity import (
-    NUMERICS_MODES,
-    ROPE_TABLE_DEVICES,
-)
 from sglang_train_parity.compare import compare_modules, first_divergence
 from sglang_train_parity.cpu_kernels import register_cpu_kernels
 from sglang_train_parity.families import FAMILIES, family_of
@@ -46,6 +40,12 @@ from sglang_train_parity.sglang_dit import (
     wrap_linears_for_lora,
 )
 from sglang_train_parity.tiny_model import build_tiny_qwen_image
+from tqdm import tqdm
+
+from sglang.multimodal_gen.runtime.utils.train_parity import (
+    NUMERICS_MODES,
+    ROPE_TABLE_DEVICES,
+)
 
 # pixels per latent patch side: VAE downsampling (8) x patch size (2)
 LATENT_PIXELS = 16
@@ -341,7 +341,6 @@ def load_models(args, model_dir: Path):
     and the pairing function; LoRA in both when asked."""
     from diffusers import QwenImageTransformer2DModel
 
-
     if args.numerics == "default" and args.device == "cpu":
         register_cpu_kernels()  # upstream's default norms call sgl_kernel CPU ops
     server_kwargs = {"numerics": args.numerics}
@@ -576,7 +575,8 @@ def check(args) -> bool:
         "model_path": str(model_dir),
         "numerics": args.numerics,
         "train_parity_rope_tables": args.train_parity_rope_tables,
-        "trainer_rope_tables": args.trainer_rope_tables or args.train_parity_rope_tables,
+        "trainer_rope_tables": args.trainer_rope_tables
+        or args.train_parity_rope_tables,
         "first_divergence_hint": ROPE_TABLES_HINT if first == ROTARY_EMB else None,
         "lora": (
             {

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-
 from sglang_train_parity.reference import Pairing, sglang_to_diffusers
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_train_parity import reference, tiny_model
+
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
@@ -18,7 +20,6 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityContract,
     train_parity_contract,
 )
-from sglang_train_parity import reference, tiny_model
 
 
 @dataclass(frozen=True)

@@ -300,7 +300,6 @@ def random_adapters(
 ) -> list[dict[str, torch.Tensor]]:
     """One fp32 master adapter per update, as after successive optimizer steps."""
     from diffusers import QwenImageTransformer2DModel
-
     from sglang_train_parity.reference import random_lora_state
 
     model = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer")
@@ -374,7 +373,9 @@ def _run_mode(
 def _table(
     parity: list[tuple[float, float, bool]], default: list[tuple[float, float, bool]]
 ) -> str:
-    rows = [("update", "train_parity max / mean", "policy checksum", "default max / mean")]
+    rows = [
+        ("update", "train_parity max / mean", "policy checksum", "default max / mean")
+    ]
     for update, (tp_max, tp_mean, same_policy) in enumerate(parity, 1):
         other = (
             f"{default[update - 1][0]:.3e} / {default[update - 1][1]:.3e}"
@@ -468,7 +469,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
     from diffusers.utils import logging as diffusers_logging
-
     from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     # diffusers' dtype and experimental-API notices would drown the progress lines
