@@ -40,17 +40,25 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
 fi
 if [ "$what" = tool ]; then
-    # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model built there
-    for rope in cpu device; do
-        timeout "${TOOL_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
+    # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model
+    # built there: server and trainer RoPE tables built alike (cpu, device), then crossed (server on
+    # the device, trainer on the CPU), which must fail at rotary_emb and name the option.
+    # pyplot is imported before the stand-ins: it probes an IPython it finds in sys.modules.
+    for tables in cpu:cpu device:device device:cpu; do
+        server=${tables%%:*}; trainer=${tables##*:}
+        timeout "${TOOL_TIMEOUT:-200}" python3 -c 'import sys; sys.path.insert(0, ".")
+import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 from benchmark import gpu_standins; gpu_standins.install()
 from sglang_train_parity.check import main; main(sys.argv[1:])' \
-            --device cuda --train-parity-rope-tables "$rope" --batch-sizes 1,2 --text-lengths 7,13 \
-            --image-sizes 128,256x128 --timesteps 999,500 --out-dir "$OUT/parity-check-$rope" \
-            >"$OUT/parity-check-$rope.log" 2>&1
+            --device cuda --train-parity-rope-tables "$server" --trainer-rope-tables "$trainer" \
+            --batch-sizes 1,2 --text-lengths 7,13 --image-sizes 128,256x128 --timesteps 999,500 \
+            --out-dir "$OUT/parity-check-$server-$trainer" >"$OUT/parity-check-$server-$trainer.log" 2>&1
         trc=$?
-        echo "parity-check (rope tables $rope) exit $trc"; rc=$((rc | trc))
-        grep -E "^(PASS|FAIL)|^case|^b[0-9]" "$OUT/parity-check-$rope.log" | tail -12
+        echo "parity check (server tables $server, trainer tables $trainer) exit $trc"
+        [ "$server" = "$trainer" ] && rc=$((rc | trc))
+        grep -E "^(PASS|FAIL)|^rotary_emb differs first|^case|^b[0-9]" "$OUT/parity-check-$server-$trainer.log" | tail -12
+        # eight files come back from the device: keep the crossed run's plot only
+        [ "$server" = "$trainer" ] && rm -f "$OUT/parity-check-$server-$trainer/ulp.png"
     done
 fi
 nvidia-smi --query-gpu=memory.used,clocks.sm --format=csv,noheader
