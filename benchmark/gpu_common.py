@@ -1,6 +1,6 @@
 """Shared plumbing for benchmark/gpu_parity.py and benchmark/speed.py.
 
-* process setup (stand-ins for `sgl_kernel` / `IPython`, single-process distributed env, JIT policy);
+* process setup (stand-ins for `sgl_kernel`, single-process distributed env, JIT policy);
 * a Qwen-Image model folder with random weights (diffusers format), and the fork's DiT loaded from it
   through sglang's real transformer loader (`PipelineComponentLoader` + `TransformerLoader`);
 * LoRA into the fork the way the post-training weight updater puts it there;

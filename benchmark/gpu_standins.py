@@ -1,10 +1,10 @@
-"""Import-time stand-ins for `sgl_kernel` and `IPython` on a GPU machine that cannot install them.
+"""Import-time stand-ins for `sgl_kernel` on a GPU machine that cannot install it.
 
-The H200 image (Python 3.12, torch 2.11) has neither package, and no network:
-* `sgl_kernel` (sglang-kernel) is imported at module level by sglang on CUDA, submodules included
-  (`sgl_kernel.flash_attn`, `sgl_kernel.scalar_type`, ...), and some attributes are read at import time
-  (`scalar_types.uint4b8`);
-* `IPython` is imported by `sglang/utils.py` (`from IPython.display import HTML, display`).
+The H200 image (Python 3.12, torch 2.11) does not have it and cannot fetch it (370 MB, no network).
+`sgl_kernel` (sglang-kernel) is imported at module level by sglang on CUDA, submodules included
+(`sgl_kernel.flash_attn`, `sgl_kernel.scalar_type`, ...), and some attributes are read at import time
+(`scalar_types.uint4b8`). IPython, which `sglang/utils.py` imports, travels as a wheel
+(benchmark/prepare_wheels.sh): matplotlib probes whatever IPython it finds.
 
 `install()` appends a meta-path finder (last, so a real installed package always wins) that creates
 those modules on demand. Every attribute of a stand-in module is a `StandIn`: attribute access on it
@@ -22,14 +22,14 @@ import importlib.machinery
 import sys
 import types
 
-ROOTS = ("sgl_kernel", "IPython")
+ROOTS = ("sgl_kernel",)
 
 _calls: collections.Counter = collections.Counter()
 _modules_created: list[str] = []
 
 
 class StandInCalled(RuntimeError):
-    """A stand-in for a kernel or package that is not installed here was called."""
+    """A stand-in for a kernel that is not installed here was called."""
 
 
 class StandIn:

@@ -3,7 +3,8 @@
 # the fork built for cp312 from the pinned upstream wheel, and the packages the H200 image lacks
 # that importing and loading sglang's Qwen-Image DiT needs there (/work/shared/reference/h200-import-notes.md,
 # plus openai/jiter/distro/sniffio/uvicorn/partial-json-parser found by a CPU run of the loader path
-# with every other package the image lacks blocked). ~55 MB in all.
+# with every other package the image lacks blocked), and IPython (sglang/utils.py imports it; the parity
+# check's plot needs the real one). ~58 MB in all.
 #
 #   bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
 set -euo pipefail
@@ -22,5 +23,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     dill==0.4.1 compressed-tensors==0.18.0 gguf==0.19.0 addict==2.4.0 cache-dit==1.5.1 starlette==1.10.0 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3 \
     traitlets==5.16.1 openai==2.8.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 uvicorn==0.54.0 \
-    partial-json-parser==0.2.1.1.post7
+    partial-json-parser==0.2.1.1.post7 \
+    ipython==9.18.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 \
+    pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 \
+    executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4
 du -sh .whl

@@ -43,11 +43,9 @@ if [ "$what" = tool ]; then
     # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model
     # built there: server and trainer RoPE tables built alike (cpu, device), then crossed (server on
     # the device, trainer on the CPU), which must fail at rotary_emb and name the option.
-    # pyplot is imported before the stand-ins: it probes an IPython it finds in sys.modules.
     for tables in cpu:cpu device:device device:cpu; do
         server=${tables%%:*}; trainer=${tables##*:}
         timeout "${TOOL_TIMEOUT:-200}" python3 -c 'import sys; sys.path.insert(0, ".")
-import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 from benchmark import gpu_standins; gpu_standins.install()
 from sglang_train_parity.check import main; main(sys.argv[1:])' \
             --device cuda --train-parity-rope-tables "$server" --trainer-rope-tables "$trainer" \
