@@ -1,0 +1,20 @@
+"""The tools know every family the server accepts under train_parity, and nothing else."""
+
+from __future__ import annotations
+
+from sglang.multimodal_gen.registry import get_registered_pipeline_config_classes
+from sglang.multimodal_gen.runtime.utils.train_parity import train_parity_contract
+from sglang_train_parity.families import FAMILIES, family_of
+
+
+def test_tools_and_server_agree_on_the_families():
+    accepted = {
+        cls
+        for cls in get_registered_pipeline_config_classes()
+        if train_parity_contract(cls) is not None
+    }
+    assert accepted == {family.pipeline_config for family in FAMILIES}
+    for family in FAMILIES:
+        assert family.contract is not None
+        assert family_of(family.diffusers_class) is family
+        assert family.lora_targets and family.pairing
