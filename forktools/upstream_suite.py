@@ -1,12 +1,12 @@
 """Upstream's own unit tests against the fork: what passes on the pristine pinned release must pass
 on the fork.
 
-The fork's `sglang/multimodal_gen/test/unit/` (upstream's tests plus the series' own) runs first;
-the test files with a failure or error there run again on the pristine tree, and a test that passes
-on pristine but not on the fork is a regression. Tests that fail on both (no GPU, a package the
-environment lacks) are reported as such and are not the fork's doing. Both runs use
-HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back at once instead of after
-retries, the same way on both sides.
+The fork's `sglang/multimodal_gen/test/unit/` (upstream's tests plus the series' own) runs first.
+The tests that failed there (whole modules where one failed to import) run again, on the fork and on
+the pristine tree side by side; a test that passes on pristine but not in the fork's rerun is a
+regression (running the same selection on both sides keeps order effects out of the comparison). Tests that fail on both (no GPU, a package the environment lacks) are counted and not the
+fork's doing. All runs use HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back at once
+instead of after retries, the same way on both sides.
 """
 
 from __future__ import annotations
@@ -40,48 +40,55 @@ def _outcomes(junit: Path) -> dict[str, str]:
     return outcomes
 
 
-def _test_file(root: Path, test_id: str) -> str | None:
-    """The file under `root` a junit classname belongs to (its longest module prefix)."""
-    parts = test_id.split("::")[0].split(".")
+def _rerun_target(root: Path, test_id: str) -> str | None:
+    """What pytest takes to run `test_id` again under `root`: its node id, or the file of a
+    module that failed to import. None if `root` has no such file."""
+    module, _, name = test_id.partition("::")
+    parts = [part for part in module.split(".") if part]
     for end in range(len(parts), 0, -1):
         path = Path(*parts[:end]).with_suffix(".py")
         if (root / path).is_file():
-            return str(path)
+            if end == len(parts) and name == module:  # the module failed to import
+                return str(path)
+            return "::".join([str(path), *parts[end:], name])
     return None
 
 
-def run_pytest(
-    root: Path, targets: list[str], *options: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
+def pytest_command(
+    root: Path, targets: list[str], *options: str
+) -> tuple[list[str], dict[str, str]]:
     """pytest on `targets` (paths relative to `root`, the folder holding `sglang/`) with
-    `root` first on the path and as the working folder, so that no conftest or rootdir of
-    this repository applies."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
-        + [str(root / t) for t in targets],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root), **(env or {})),
-        capture_output=True,
-        text=True,
+    `root` first on the path and as the rootdir, to run from `root`: the command and its
+    environment. No configuration file applies (this repository's pyproject.toml would, for
+    an environment inside the checkout), so test ids are the same for every root."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += ["-c", os.devnull, f"--rootdir={root}", *options]
+    return command + [str(root / t) for t in targets], dict(
+        os.environ, PYTHONPATH=str(root)
     )
 
 
-def run_unit_tests(root: Path, targets: list[str], junit: Path) -> dict[str, str]:
-    """Each test's outcome, from a pytest run that goes on past modules failing to import."""
-    run_pytest(
-        root,
-        targets,
-        "--continue-on-collection-errors",
-        f"--junitxml={junit}",
-        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+def run_pytest(root: Path, targets: list[str]) -> subprocess.CompletedProcess:
+    command, env = pytest_command(root, targets)
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+
+
+def _start_unit_tests(root: Path, targets: list[str], junit: Path) -> subprocess.Popen:
+    """A pytest run that goes on past modules failing to import and writes each test's
+    outcome to `junit`."""
+    options = ["--continue-on-collection-errors", f"--junitxml={junit}"]
+    command, env = pytest_command(root, targets, *options)
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    return _outcomes(junit)
 
 
 @dataclasses.dataclass
 class SuiteComparison:
-    fork: dict[str, str]
-    pristine_rerun: dict[str, str]
+    fork: dict[str, str]  # the whole suite
+    fork_rerun: dict[str, str]  # the failed tests again, one process
+    pristine_rerun: dict[str, str]  # the same tests on pristine
 
     @property
     def regressions(self) -> list[str]:
@@ -89,14 +96,14 @@ class SuiteComparison:
         return sorted(
             test_id
             for test_id, outcome in self.pristine_rerun.items()
-            if outcome == OK and self.fork.get(test_id) != OK
+            if outcome == OK and self.fork_rerun.get(test_id) != OK
         )
 
     @property
     def failing_on_both(self) -> list[str]:
         return sorted(
             test_id
-            for test_id, outcome in self.fork.items()
+            for test_id, outcome in self.fork_rerun.items()
             if outcome == FAILED and self.pristine_rerun.get(test_id) == FAILED
         )
 
@@ -114,24 +121,33 @@ class SuiteComparison:
 
 
 def compare_with_pristine(fork_root: Path, pristine_root: Path) -> SuiteComparison:
-    """Run the fork's unit tests, then rerun the files with failures on pristine."""
+    """Run the fork's unit tests, then the failed ones again on the fork and on pristine."""
     with tempfile.TemporaryDirectory() as tmp:
-        fork = run_unit_tests(fork_root, [UNIT_TESTS], Path(tmp) / "fork.xml")
-        files = sorted(
+        junit = {
+            name: Path(tmp) / f"{name}.xml" for name in ("fork", "rerun", "pristine")
+        }
+        _start_unit_tests(fork_root, [UNIT_TESTS], junit["fork"]).wait()
+        fork = _outcomes(junit["fork"])
+        targets = sorted(
             {
-                path
+                target
                 for test_id, outcome in fork.items()
                 if outcome == FAILED
-                and (path := _test_file(fork_root, test_id)) is not None
-                and (pristine_root / path).is_file()
+                and (target := _rerun_target(fork_root, test_id)) is not None
+                and (pristine_root / target.split("::")[0]).is_file()
             }
         )
-        rerun = (
-            run_unit_tests(pristine_root, files, Path(tmp) / "pristine.xml")
-            if files
-            else {}
+        if not targets:
+            return SuiteComparison(fork, {}, {})
+        reruns = [
+            _start_unit_tests(fork_root, targets, junit["rerun"]),
+            _start_unit_tests(pristine_root, targets, junit["pristine"]),
+        ]
+        for process in reruns:
+            process.wait()
+        return SuiteComparison(
+            fork, _outcomes(junit["rerun"]), _outcomes(junit["pristine"])
         )
-    return SuiteComparison(fork, rerun)
 
 
 def installed_fork_root(pin) -> Path:

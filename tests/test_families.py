@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from sglang_train_parity.families import FAMILIES, family_of
+
 from sglang.multimodal_gen.registry import get_registered_pipeline_config_classes
 from sglang.multimodal_gen.runtime.utils.train_parity import train_parity_contract
-from sglang_train_parity.families import FAMILIES, family_of
 
 
 def test_tools_and_server_agree_on_the_families():

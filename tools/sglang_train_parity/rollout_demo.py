@@ -67,6 +67,10 @@ _CPU_KERNELS_SITECUSTOMIZE = (
 )
 
 
+# Started by `serve` and not yet stopped: what a Ctrl-C must stop.
+_LIVE_SERVERS: set[subprocess.Popen] = set()
+
+
 def _log(message: str) -> None:
     print(message, flush=True)
 
@@ -148,6 +152,7 @@ def serve(
             env=env,
             start_new_session=True,
         )
+    _LIVE_SERVERS.add(process)
     server = Server(process, f"http://127.0.0.1:{port}", log_path)
     # The idle server's worker spins on a core; several torch threads here would contend
     # with it (a tiny-model recompute takes 30x longer on two cores). One is plenty.
@@ -175,6 +180,7 @@ def serve(
         yield server
     finally:
         _stop(process)
+        _LIVE_SERVERS.discard(process)
         torch.set_num_threads(client_threads)
 
 
@@ -448,17 +454,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `sglang-train-parity demo`; exits with the demo's status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    # SIGTERM unwinds like Ctrl-C, so the servers' process groups are killed on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     log_dir = Path(tempfile.mkdtemp(prefix="sglang-train-parity-demo-"))
+
+    def interrupted(signum: int, _frame: Any) -> None:
+        # Stop here rather than raise KeyboardInterrupt: raised inside a finalizer, Python
+        # ignores it, and the demo would run on.
+        for process in list(_LIVE_SERVERS):
+            _stop(process)
+        _log("interrupted; the servers started are stopped")
+        shutil.rmtree(log_dir, ignore_errors=True)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
     keep_logs = True  # for a failure's post-mortem
     try:
         passed = _demo(args, log_dir)
         keep_logs = not passed
-    except KeyboardInterrupt:
-        keep_logs = False
-        _log("interrupted; the servers started are stopped")
-        sys.exit(128 + signal.SIGINT)
     finally:
         if keep_logs:
             _log(f"server logs kept in {log_dir}")
