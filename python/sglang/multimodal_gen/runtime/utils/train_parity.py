@@ -179,9 +179,15 @@ def require_contract(args: ServerArgs) -> TrainParityContract:
 
 
 def check_model_supported(args: ServerArgs) -> None:
-    """At startup: under train_parity, refuse a model without a contract."""
+    """At startup: under train_parity, refuse a model without a contract, and say
+    what the served one promises."""
     if args.numerics == NUMERICS_TRAIN_PARITY:
-        require_contract(args)
+        contract = require_contract(args)
+        logger.info(
+            "--numerics train_parity: %s, bitwise equal to %s",
+            contract.family,
+            contract.reference,
+        )
 
 
 def check_dit_class(contract: TrainParityContract, dit_cls: type) -> None:

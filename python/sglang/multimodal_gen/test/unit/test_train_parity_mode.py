@@ -83,6 +83,19 @@ def test_the_default_mode_is_unchanged():
     assert server_args_for(FluxPipelineConfig()).numerics == "default"
 
 
+def test_an_opted_in_family_is_served_and_named():
+    class Family(PipelineConfig):
+        train_parity_contract = TrainParityContract("F", "the F trainer", "FDiT", ())
+
+    with patch.object(train_parity.logger, "info") as info:
+        assert server_args_for(Family(), numerics="train_parity").numerics == (
+            "train_parity"
+        )
+    info.assert_any_call(
+        "--numerics train_parity: %s, bitwise equal to %s", "F", "the F trainer"
+    )
+
+
 def test_contracts_are_not_inherited():
     class Family(PipelineConfig):
         train_parity_contract = TrainParityContract("F", "ref", "FDiT", ())
