@@ -26,6 +26,9 @@ ROOTS = ("sgl_kernel",)
 
 _calls: collections.Counter = collections.Counter()
 _modules_created: list[str] = []
+# Called with the stand-in's name on every call, before it raises (benchmark/server_harness.py
+# records them, so that a call swallowed by some caller's `except` is still on record).
+_call_listeners: list = []
 
 
 class StandInCalled(RuntimeError):
@@ -47,6 +50,8 @@ class StandIn:
 
     def __call__(self, *args, **kwargs):
         _calls[self._qualname] += 1
+        for listener in _call_listeners:
+            listener(self._qualname)
         raise StandInCalled(
             f"stand-in {self._qualname} called: the real package is not installed on this "
             "machine (benchmark/gpu_standins.py); no result may come from it"
@@ -90,6 +95,12 @@ def install() -> None:
     take precedence."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
+
+
+def on_call(listener) -> None:
+    """`listener(name)` runs on every stand-in call, just before the call raises."""
+    if listener not in _call_listeners:
+        _call_listeners.append(listener)
 
 
 def calls() -> dict[str, int]:

@@ -3,8 +3,12 @@
 # the fork built for cp312 from the pinned upstream wheel, and the packages the H200 image lacks
 # that importing and loading sglang's Qwen-Image DiT needs there (/work/shared/reference/h200-import-notes.md,
 # plus openai/jiter/distro/sniffio/uvicorn/partial-json-parser found by a CPU run of the loader path
-# with every other package the image lacks blocked), and IPython (sglang/utils.py imports it; the parity
-# check's plot needs the real one). ~58 MB in all.
+# with every other package the image lacks blocked), IPython (sglang/utils.py imports it; the parity
+# check's plot needs the real one), and what `sglang serve` needs there for the GPU demo: fastapi,
+# opentelemetry-api (fastapi's), python-multipart, setproctitle and imageio-ffmpeg, the last built from
+# its sdist, which bundles no ffmpeg binary (the platform wheel's is 27 MB; sglang imports the module at
+# server start and calls it only to write videos). Found by a CPU run of the demo with every package
+# the image lacks blocked. ~59 MB in all.
 #
 #   bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
 set -euo pipefail
@@ -26,5 +30,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     partial-json-parser==0.2.1.1.post7 \
     ipython==9.18.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 \
     pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 \
-    executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4
+    executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
+    fastapi==0.165.0 opentelemetry-api==1.45.2 python-multipart==0.0.34 setproctitle==1.3.8
+python3 -m pip wheel -q --no-deps --no-binary=:all: -w .whl imageio-ffmpeg==0.5.1
 du -sh .whl

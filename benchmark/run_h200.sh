@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|tool|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|demo|all]
+#
+# demo: `sglang-train-parity demo --device cuda`, the real `sglang serve` on the GPU (train_parity,
+# then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
+# not part of `all`.
 #
 # Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
 # built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
@@ -38,6 +42,37 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     src=$?
     echo "speed exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
+fi
+if [ "$what" = demo ]; then
+    # The client and both servers run benchmark/demo_site/sitecustomize.py (stand-ins, logged native
+    # fallbacks of the text encoder and VAE, DefaultPathHarness for the default DiT only); every
+    # harness record goes to harness.jsonl. The default server gets upstream's SDPA attention backend
+    # (sgl_kernel's FA3 is not installed); train_parity sets torch_sdpa itself.
+    export SGLANG_TP_HARNESS_LOG="$OUT/harness.jsonl"
+    : >"$SGLANG_TP_HARNESS_LOG"
+    PYTHONPATH="$PWD/benchmark/demo_site:$PYTHONPATH" timeout "${DEMO_TIMEOUT:-480}" python3 -c 'import sys
+from sglang_train_parity.cli import main; sys.argv[0] = "sglang-train-parity"; main()' \
+        demo --device cuda --server-site benchmark/demo_site --model-dir /tmp/tiny-qwen-image \
+        --updates 3 --steps "${DEMO_STEPS:-4}" --push-dtypes fp32,bf16,fp32 \
+        --default-server-arg=--attention-backend --default-server-arg=torch_sdpa \
+        --log-dir "$OUT/demo-logs" --report "$OUT/demo.json" >"$OUT/demo.log" 2>&1
+    drc=$?
+    echo "demo exit $drc"; rc=$((rc | drc))
+    grep -v "^\[server_harness\]" "$OUT/demo.log" | tail -40
+    echo "harness records: $(wc -l <"$SGLANG_TP_HARNESS_LOG")"
+    python3 - "$SGLANG_TP_HARNESS_LOG" <<'PY'
+import collections, json, sys
+seen = collections.Counter()
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    key = (r.get("numerics"), r["event"], r.get("component"), r.get("op") or r.get("standin"),
+           r.get("method"), r.get("error"), r.get("to"))
+    seen[key] += 1
+for key, n in sorted(seen.items(), key=str):
+    print(n, "x", " | ".join(str(k) for k in key))
+PY
+    # the server logs' errors, if any
+    grep -h -E "Traceback|Error|error:" "$OUT"/demo-logs/server-*.log 2>/dev/null | grep -v "^\[server_harness\]" | sort | uniq -c | sort -rn | head -20
 fi
 if [ "$what" = tool ]; then
     # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model

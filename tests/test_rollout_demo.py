@@ -1,10 +1,12 @@
 """The main job end to end: `sglang-train-parity demo` starts real sglang servers on CPU, pushes 3
-LoRA updates, rolls out with true CFG, and recomputes every step as the trainer does: exactly 0.0
-under train_parity with the server's policy checksum equal to the trainer's, nonzero under
-default, nothing left running."""
+LoRA updates (fp32 masters, their bf16 copies, fp32 masters), rolls out with true CFG, and
+recomputes every step as the trainer does: exactly 0.0 under train_parity with the server's policy
+checksum equal to the trainer's, nonzero under default, nothing left running. The GPU run
+(`--device cuda`) is benchmark/run_h200.sh's `demo` (docs/results.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 DEMO = [str(Path(sys.executable).with_name("sglang-train-parity")), "demo"]
 UPDATE_LINE = re.compile(
-    r"^\[(train_parity|default)\] update (\d): .* "
+    r"^\[(train_parity|default)\] update (\d): adapter pushed as (fp32|bf16), .* "
     r"model_output_max_abs_diff=(\S+) model_output_mean_abs_diff=(\S+) "
     r"policy_checksum=(\S+)$",
     re.M,
@@ -58,26 +60,120 @@ def live_processes(tag: str) -> list[int]:
 
 def test_demo_train_parity_is_exact_and_default_is_not(model_dir, tmp_path):
     env, tag = tagged_env(tmp_path)
+    report = tmp_path / "report.json"
     result = subprocess.run(
-        [*DEMO, "--model-dir", str(model_dir), "--updates", "3"],
+        [
+            *DEMO,
+            "--model-dir",
+            str(model_dir),
+            "--updates",
+            "3",
+            "--report",
+            str(report),
+        ],
         capture_output=True,
         text=True,
         timeout=480,
         env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = UPDATE_LINE.findall(result.stdout)
     diffs = {
         (mode, int(update)): (float(max_diff), float(mean_diff), checksum)
-        for mode, update, max_diff, mean_diff, checksum in UPDATE_LINE.findall(
-            result.stdout
-        )
+        for mode, update, _, max_diff, mean_diff, checksum in lines
     }
+    # fp32 masters and their bf16 copies in turn (the default --push-dtypes)
+    assert [(m, int(u), d) for m, u, d, *_ in lines if m == "train_parity"] == [
+        ("train_parity", 1, "fp32"),
+        ("train_parity", 2, "bf16"),
+        ("train_parity", 3, "fp32"),
+    ]
     assert [diffs[("train_parity", u)] for u in (1, 2, 3)] == [(0.0, 0.0, "equal")] * 3
     # the default server packs the text Q/K/V: other weights, other numerics
     assert all(diffs[("default", u)][0] > 0 for u in (1, 2, 3))
     assert all(diffs[("default", u)][2] == "differs" for u in (1, 2, 3))
     assert re.search(r"^1 +\| 0\.0 / 0\.0 +\| equal +\| \d", result.stdout, re.M)
     assert live_processes(tag) == []
+    written = json.loads(report.read_text())
+    assert written["passed"] is True and written["device"] == "cpu"
+    assert [
+        (r["pushed_as"], r["model_output_max_abs_diff"], r["policy_checksum_equal"])
+        for r in written["train_parity"]
+    ] == [("fp32", 0.0, True), ("bf16", 0.0, True), ("fp32", 0.0, True)]
+    assert all(r["model_output_max_abs_diff"] > 0 for r in written["default"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--push-dtypes", "fp32,fp16"], "--push-dtypes: unknown ['fp16']"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--updates", "0"], "must be at least 1"),
+    ],
+)
+def test_demo_refuses_bad_options(argv, message, capsys):
+    from sglang_train_parity.rollout_demo import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_demo_options_for_a_gpu_machine(monkeypatch, tmp_path):
+    """The options `benchmark/run_h200.sh demo` passes, parsed; the dtypes cycle over updates;
+    a site folder goes first on the server's PYTHONPATH and no CPU kernels are added on cuda.
+    """
+    from sglang_train_parity import rollout_demo
+
+    monkeypatch.setattr(rollout_demo.torch.cuda, "is_available", lambda: True)
+    args = rollout_demo.parse_args(
+        [
+            *("--device", "cuda", "--server-site", str(tmp_path), "--updates", "5"),
+            *("--push-dtypes", "bf16,fp32,fp32"),
+            "--default-server-arg=--attention-backend",
+            "--default-server-arg=torch_sdpa",
+        ]
+    )
+    assert args.device == "cuda" and args.server_site == tmp_path
+    assert rollout_demo._push_dtype_names(args) == [
+        "bf16",
+        "fp32",
+        "fp32",
+        "bf16",
+        "fp32",
+    ]
+    assert args.default_server_arg == ["--attention-backend", "torch_sdpa"]
+
+    started = []
+
+    class Exited:  # what Popen returns here: a server that exited at once
+        pid, returncode = -1, 1
+
+        def __init__(self, command, env, **_):
+            started.append((command, env))
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(rollout_demo.subprocess, "Popen", Exited)
+    monkeypatch.setattr(rollout_demo, "_stop", lambda process: None)
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    with pytest.raises(RuntimeError, match="the default server exited with status 1"):
+        with rollout_demo.serve(
+            tmp_path / "model",
+            "default",
+            log_dir,
+            device="cuda",
+            site_dir=args.server_site,
+            extra_args=args.default_server_arg,
+        ):
+            pass
+    ((command, env),) = started
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path.resolve())
+    assert not (log_dir / "cpu-kernels-site").exists()
+    assert command[-2:] == ["--attention-backend", "torch_sdpa"]
+    assert command[command.index("--numerics") + 1] == "default"
 
 
 def test_demo_stops_its_server_on_ctrl_c(model_dir, tmp_path):

@@ -2,14 +2,16 @@
 """``sglang-train-parity demo``: an RL rollout loop against a real sglang diffusion server,
 checked the way a trainer would check it.
 
-On a tiny random Qwen-Image pipeline built locally, it starts ``sglang serve`` on CPU with
-``--numerics train_parity --lora-merge-mode dynamic``, then for each of N "optimizer steps" pushes
-a fresh random LoRA adapter (fp32 masters, all 12 PEFT targets of every block) through
-``/update_weights_from_tensor``, requests a rollout with true CFG through ``/rollout/generate``
-and recomputes every returned step's post-CFG model output with diffusers + PEFT under CUDA's
-autocast policy (emulated on CPU). The same loop against a ``--numerics default`` server shows the
-difference train_parity removes. The helpers here (server, push, rollout, recompute) are also the
-tests' client.
+On a tiny random Qwen-Image pipeline built locally, it starts ``sglang serve`` on CPU (or the GPU
+with ``--device cuda``) with ``--numerics train_parity --lora-merge-mode dynamic``, then for each
+of N "optimizer steps" pushes a fresh random LoRA adapter (all 12 PEFT targets of every block)
+through ``/update_weights_from_tensor``, sent as the fp32 masters or as their bf16 copies
+(``--push-dtypes``, fp32 and bf16 in turn by default), requests a rollout with true CFG through
+``/rollout/generate`` and recomputes every returned step's post-CFG model output with diffusers +
+PEFT under CUDA's autocast policy (emulated on CPU; real ``torch.autocast("cuda", bf16)`` with the
+``_native_flash`` attention backend on the GPU). The same loop against a ``--numerics default``
+server shows the difference train_parity removes. The helpers here (server, push, rollout,
+recompute) are also the tests' client.
 
 Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no installable package
 provides. To run a ``--numerics default`` server on CPU (as this demo does), put a directory on
@@ -19,12 +21,17 @@ its PYTHONPATH holding a ``sitecustomize.py`` with::
     register_cpu_kernels()
 
 so that every server process registers plain-PyTorch versions of them.
+
+On a GPU machine that lacks kernels sglang imports (sgl_kernel), ``--server-site DIR`` puts a
+folder holding such a ``sitecustomize.py`` first on every server's PYTHONPATH instead; the
+repository's ``benchmark/demo_site`` is the one the H200 run uses (docs/results.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import pickle
 import shutil
@@ -65,6 +72,11 @@ _CPU_KERNELS_SITECUSTOMIZE = (
     "from sglang_train_parity.cpu_kernels import register_cpu_kernels\n"
     "register_cpu_kernels()\n"
 )
+
+
+DEVICES = ("cpu", "cuda")
+PUSH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_PUSH_DTYPES = "fp32,bf16"  # cycled over the updates: fp32, bf16, fp32, ...
 
 
 # Started by `serve` and not yet stopped: what a Ctrl-C must stop.
@@ -119,28 +131,41 @@ def serve(
     log_dir: Path,
     port: int | None = None,
     start_timeout: float = SERVER_START_TIMEOUT_S,
+    *,
+    device: str = "cpu",
+    site_dir: Path | None = None,
+    extra_args: tuple[str, ...] | list[str] = (),
 ) -> Iterator[Server]:
     """Start the server in its own process group, wait until healthy, and kill the whole
-    group on exit, whatever happens (its workers are subprocesses)."""
+    group on exit, whatever happens (its workers are subprocesses).
+
+    `site_dir`: a folder holding a ``sitecustomize.py``, put first on the server's PYTHONPATH
+    (every server process runs it); without one, a ``--numerics default`` server on `device`
+    "cpu" gets the CPU kernels' (module docstring). `extra_args`: appended to the
+    ``sglang serve`` command. The server uses the GPU where torch sees one: `device` only
+    says which the caller expects.
+    """
     import requests
 
     port = port or _free_port_pair()
     env = dict(os.environ)
-    if numerics == "default":
+    if site_dir is None and numerics == "default" and device == "cpu":
         site_dir = log_dir / "cpu-kernels-site"
         site_dir.mkdir(exist_ok=True)
         (site_dir / "sitecustomize.py").write_text(_CPU_KERNELS_SITECUSTOMIZE)
+    if site_dir is not None:
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(site_dir), env.get("PYTHONPATH")) if p
+            p for p in (str(Path(site_dir).resolve()), env.get("PYTHONPATH")) if p
         )
     command = [
-        # the `sglang` entry point of this environment
-        *(str(Path(sys.executable).with_name("sglang")), "serve"),
+        *_sglang_command(),
+        "serve",
         *("--model-path", str(model_dir), "--model-id", "Qwen-Image"),
         *("--numerics", numerics, "--lora-merge-mode", "dynamic"),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--master-port", str(_free_port())),
         *("--num-gpus", "1", "--warmup-mode", "off"),
+        *extra_args,
     ]
     log_path = log_dir / f"server-{numerics}.log"
     with open(log_path, "w") as log:
@@ -184,6 +209,21 @@ def serve(
         torch.set_num_threads(client_threads)
 
 
+def _sglang_command() -> list[str]:
+    """The `sglang` entry point of this environment: the script beside the interpreter, or,
+    where the fork was installed elsewhere (``pip install --target``), its main function run by
+    this interpreter."""
+    script = Path(sys.executable).with_name("sglang")
+    if script.is_file():
+        return [str(script)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from sglang.cli.main import main; sys.argv[0] = 'sglang'; "
+        "sys.exit(main())",
+    ]
+
+
 def _stop(process: subprocess.Popen) -> None:
     """SIGTERM the server's process group, then SIGKILL what is left of it: its workers
     may outlive the leader."""
@@ -209,9 +249,14 @@ def push_lora(
     lora_state: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
     rank: Any = LORA_RANK,
     alpha: Any = LORA_ALPHA,
+    dtype: torch.dtype | None = None,
 ):
-    """POST the adapter as an RL trainer does after an optimizer step; returns the response."""
+    """POST the adapter as an RL trainer does after an optimizer step; returns the response.
+    `dtype`: send the tensors cast to it (the trainer's bf16 copies of fp32 masters, say);
+    None sends them as they are."""
     named = lora_state.items() if isinstance(lora_state, dict) else lora_state
+    if dtype is not None:
+        named = [(k, v.to(dtype)) for k, v in named]
     return server.post(
         "/update_weights_from_tensor",
         serialized_named_tensors=[encode_tensors([(k, v) for k, v in named])],
@@ -264,18 +309,27 @@ def rollout_model_outputs(rollout: dict[str, Any]) -> torch.Tensor:
 
 
 def trainer_model_outputs(
-    model: torch.nn.Module, rollout: dict[str, Any], cfg_scale: float
+    model: torch.nn.Module,
+    rollout: dict[str, Any],
+    cfg_scale: float,
+    device: str = "cpu",
 ) -> torch.Tensor:
     """Every step's post-CFG model output as the trainer recomputes it from the rollout's
     returned inputs (docs/numerics-contract.md): two DiT forwards under autocast, then
-    ``neg + s * (pos - neg)`` rescaled to the conditional norm with fp32 norms."""
+    ``neg + s * (pos - neg)`` rescaled to the conditional norm with fp32 norms.
+
+    `device` "cpu": CUDA's autocast policy emulated on the CPU, diffusers' ``native``
+    attention; "cuda": real ``torch.autocast("cuda", bf16)`` and ``_native_flash`` (`model`
+    on the GPU). Returns the outputs on the CPU."""
     from sglang_train_parity.autocast_emulation import cuda_autocast
     from sglang_train_parity.reference import ATTENTION_BACKEND
 
-    model.set_attention_backend(ATTENTION_BACKEND["cpu"])
+    model.set_attention_backend(ATTENTION_BACKEND[device])
     env, trajectory = rollout["denoising_env"], rollout["dit_trajectory"]
     text = {
-        branch: env[f"{branch}_cond_kwargs"]["encoder_hidden_states"][0][None]
+        branch: env[f"{branch}_cond_kwargs"]["encoder_hidden_states"][0][None].to(
+            device
+        )
         for branch in ("pos", "neg")
     }
     img_shapes = [[tuple(s) for s in env["pos_cond_kwargs"]["img_shapes"][0]]]
@@ -283,13 +337,15 @@ def trainer_model_outputs(
     # the trajectory holds each step's DiT input, then the final latent
     for step in range(len(trajectory["timesteps"]) - 1):
         inputs = dict(
-            hidden_states=trajectory["latents"][step][None],
-            timestep=trajectory["timesteps"][step].reshape(1).float() / 1000.0,
+            hidden_states=trajectory["latents"][step][None].to(device),
+            # as the trainer: t / 1000 in fp32, on the device the model runs on
+            timestep=trajectory["timesteps"][step].reshape(1).to(device, torch.float32)
+            / 1000.0,
             encoder_hidden_states_mask=None,
             img_shapes=img_shapes,
             return_dict=False,
         )
-        with torch.no_grad(), cuda_autocast("cpu"):
+        with torch.no_grad(), cuda_autocast(device):
             pos = model(encoder_hidden_states=text["pos"], **inputs)[0]
             neg = model(encoder_hidden_states=text["neg"], **inputs)[0]
             combined = neg + cfg_scale * (pos - neg)
@@ -297,7 +353,7 @@ def trainer_model_outputs(
                 torch.norm(pos, dim=-1, keepdim=True)
                 / torch.norm(combined, dim=-1, keepdim=True).clamp_min(1e-12)
             )
-        outputs.append(combined[0])
+        outputs.append(combined[0].cpu())
     return torch.stack(outputs)
 
 
@@ -318,25 +374,37 @@ def parity_of_update(
     adapter: dict[str, torch.Tensor],
     rank: int,
     alpha: float,
+    *,
+    device: str = "cpu",
+    push_dtype: torch.dtype | None = None,
     **rollout_overrides,
 ) -> tuple[float, float, bool]:
-    """Push `adapter`, roll out, recompute as the trainer: (max, mean) |rollout - trainer|,
-    and whether the server's policy checksum is the trainer's."""
+    """Push `adapter` (cast to `push_dtype` if given; the trainer keeps the fp32 masters), roll
+    out, recompute as the trainer on `device`: (max, mean) |rollout - trainer|, and whether the
+    server's policy checksum is the trainer's."""
     from sglang_train_parity.policy import trainer_policy_checksum
     from sglang_train_parity.reference import build_reference
 
-    response = push_lora(server, adapter, rank, alpha)
+    response = push_lora(server, adapter, rank, alpha, dtype=push_dtype)
     if not response.json().get("success"):
         raise RuntimeError(f"adapter update refused: {response.text}")
-    trainer = build_reference(model_dir / "transformer", adapter, rank, alpha)
+    trainer = build_reference(
+        model_dir / "transformer", adapter, rank, alpha, device=device
+    )
     same_policy = policy_checksum(server) == trainer_policy_checksum(trainer)
     rollout = request_rollout(server, **rollout_overrides)
     cfg_scale = rollout_overrides.get(
         "true_cfg_scale", ROLLOUT_REQUEST["true_cfg_scale"]
     )
-    expected = trainer_model_outputs(trainer, rollout, cfg_scale)
+    expected = trainer_model_outputs(trainer, rollout, cfg_scale, device=device)
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     return diff.max().item(), diff.mean().item(), same_policy
+
+
+def _push_dtype_names(args: argparse.Namespace) -> list[str]:
+    """The dtype each update is sent as: `--push-dtypes` cycled over the updates."""
+    names = args.push_dtypes.split(",")
+    return [names[i % len(names)] for i in range(args.updates)]
 
 
 def _run_mode(
@@ -344,28 +412,48 @@ def _run_mode(
     args: argparse.Namespace,
     adapters: list[dict[str, torch.Tensor]],
     log_dir: Path,
-) -> list[tuple[float, float]]:
-    _log(f"[{numerics}] starting sglang serve --numerics {numerics} on CPU ...")
+) -> list[tuple[float, float, bool]]:
+    device = getattr(args, "device", "cpu")
+    _log(
+        f"[{numerics}] starting sglang serve --numerics {numerics} on {device.upper()} ..."
+    )
     started = time.monotonic()
     results = []
-    with serve(args.model_dir, numerics, log_dir, port=args.port) as server:
+    extra_args = list(getattr(args, "server_arg", None) or [])
+    if numerics == "default":
+        extra_args += getattr(args, "default_server_arg", None) or []
+    if extra_args:
+        _log(f"[{numerics}] extra server arguments: {' '.join(extra_args)}")
+    with serve(
+        args.model_dir,
+        numerics,
+        log_dir,
+        port=args.port,
+        device=device,
+        site_dir=getattr(args, "server_site", None),
+        extra_args=extra_args,
+    ) as server:
         _log(
             f"[{numerics}] server healthy at {server.url} after "
             f"{time.monotonic() - started:.0f} s"
         )
+        dtypes = _push_dtype_names(args)
         for update, adapter in enumerate(adapters, 1):
             t0 = time.monotonic()
+            dtype = dtypes[update - 1]
             max_diff, mean_diff, same_policy = parity_of_update(
                 server,
                 args.model_dir,
                 adapter,
                 args.lora_rank,
                 args.lora_alpha,
+                device=device,
+                push_dtype=PUSH_DTYPES[dtype],
                 seed=update,
                 num_inference_steps=args.steps,
             )
             _log(
-                f"[{numerics}] update {update}: adapter pushed, {args.steps}-step "
+                f"[{numerics}] update {update}: adapter pushed as {dtype}, {args.steps}-step "
                 f"rollout recomputed ({time.monotonic() - t0:.1f} s): "
                 f"model_output_max_abs_diff={max_diff!r} "
                 f"model_output_mean_abs_diff={mean_diff!r} "
@@ -401,14 +489,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sglang-train-parity demo",
         description=(
-            "End-to-end RL rollout check of --numerics train_parity on CPU: start the sglang "
-            "diffusion server on a tiny local Qwen-Image model, push a new random LoRA adapter "
-            "(fp32 masters) per update through /update_weights_from_tensor, request a true-CFG "
-            "rollout through /rollout/generate, and recompute every step as the trainer does "
-            "(diffusers + PEFT under CUDA's autocast policy). Then the same with "
-            "--numerics default. Exit status 0 only if train_parity is bitwise equal "
-            "(difference 0.0) on every update and default is not."
+            "End-to-end RL rollout check of --numerics train_parity: start the sglang "
+            "diffusion server on a tiny local Qwen-Image model (on the CPU, or the GPU with "
+            "--device cuda), push a new random LoRA adapter per update through "
+            "/update_weights_from_tensor (fp32 masters or their bf16 copies), request a "
+            "true-CFG rollout through /rollout/generate, and recompute every step as the "
+            "trainer does (diffusers + PEFT under CUDA's autocast policy: emulated on the CPU, "
+            "real torch.autocast on the GPU). Then the same with --numerics default. Exit "
+            "status 0 only if train_parity is bitwise equal (difference 0.0) on every update "
+            "and default is not."
         ),
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the servers and the trainer's recompute run: cpu (CUDA's autocast "
+        "policy emulated) or cuda (real torch.autocast('cuda', bf16), diffusers "
+        "_native_flash attention) (default: %(default)s)",
     )
     parser.add_argument(
         "--model-dir",
@@ -436,6 +534,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--lora-alpha", type=float, default=LORA_ALPHA, help="(default: %(default)s)"
     )
     parser.add_argument(
+        "--push-dtypes",
+        default=DEFAULT_PUSH_DTYPES,
+        help="comma-separated dtypes (fp32: the trainer's masters, bf16: their bf16 "
+        "copies) the adapters are sent as, cycled over the updates; the trainer always "
+        "holds the fp32 masters (default: %(default)s, so fp32, bf16, fp32, ...)",
+    )
+    parser.add_argument(
         "--skip-default",
         action="store_true",
         help="run only the train_parity server (no --numerics default comparison)",
@@ -445,16 +550,60 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="server port (it also binds PORT+1); default: a free one",
     )
+    parser.add_argument(
+        "--server-site",
+        type=Path,
+        help="a folder holding a sitecustomize.py, put first on every server's PYTHONPATH "
+        "(on a GPU machine without sgl_kernel: the repository's benchmark/demo_site); "
+        "default: none on cuda, the CPU kernels' for the default server on cpu",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        metavar="ARG",
+        help="an extra `sglang serve` argument for both servers (repeatable; "
+        "--server-arg=--flag for one that starts with a dash)",
+    )
+    parser.add_argument(
+        "--default-server-arg",
+        action="append",
+        metavar="ARG",
+        help="an extra argument for the --numerics default server only (repeatable), "
+        "e.g. --default-server-arg=--attention-backend --default-server-arg=torch_sdpa "
+        "where sgl_kernel's flash attention is not installed",
+    )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        help="write the server logs there and keep them (default: a temporary folder, "
+        "removed unless the demo fails)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="also write the results, versions and command as JSON to this file",
+    )
     args = parser.parse_args(argv)
     if args.updates < 1 or args.steps < 1:
         parser.error("--updates and --steps must be at least 1")
+    unknown = set(args.push_dtypes.split(",")) - set(PUSH_DTYPES)
+    if unknown:
+        parser.error(
+            f"--push-dtypes: unknown {sorted(unknown)}, use {sorted(PUSH_DTYPES)}"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `sglang-train-parity demo`; exits with the demo's status."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    log_dir = Path(tempfile.mkdtemp(prefix="sglang-train-parity-demo-"))
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.argv = list(argv)
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-train-parity-demo-"))
 
     def interrupted(signum: int, _frame: Any) -> None:
         # Stop here rather than raise KeyboardInterrupt: raised inside a finalizer, Python
@@ -462,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         for process in list(_LIVE_SERVERS):
             _stop(process)
         _log("interrupted; the servers started are stopped")
-        shutil.rmtree(log_dir, ignore_errors=True)
+        if args.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
         os._exit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -470,13 +620,74 @@ def main(argv: list[str] | None = None) -> None:
     keep_logs = True  # for a failure's post-mortem
     try:
         passed = _demo(args, log_dir)
-        keep_logs = not passed
+        keep_logs = not passed or args.log_dir is not None
     finally:
         if keep_logs:
             _log(f"server logs kept in {log_dir}")
         else:
             shutil.rmtree(log_dir, ignore_errors=True)
     sys.exit(0 if passed else 1)
+
+
+def _versions(device: str) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": sys.version.split()[0], "torch_cuda": torch.version.cuda}
+    for package in ("torch", "diffusers", "peft", "transformers", "sglang"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    if device == "cuda":
+        found["gpu"] = torch.cuda.get_device_name()
+        found["cudnn"] = torch.backends.cudnn.version()
+    return found
+
+
+def _write_report(
+    args: argparse.Namespace,
+    dtypes: list[str],
+    parity: list[tuple[float, float, bool]],
+    default: list[tuple[float, float, bool]],
+    passed: bool,
+    default_error: str | None = None,
+) -> None:
+    def rows(results):
+        return [
+            dict(
+                update=update,
+                pushed_as=dtypes[update - 1],
+                model_output_max_abs_diff=max_diff,
+                model_output_mean_abs_diff=mean_diff,
+                policy_checksum_equal=same,
+            )
+            for update, (max_diff, mean_diff, same) in enumerate(results, 1)
+        ]
+
+    report = dict(
+        command=["sglang-train-parity", "demo", *args.argv],
+        device=args.device,
+        steps=args.steps,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        rollout_request={**ROLLOUT_REQUEST, "num_inference_steps": args.steps},
+        trainer=dict(
+            autocast=(
+                "torch.autocast('cuda', bf16)"
+                if args.device == "cuda"
+                else "cuda_autocast('cpu') (CUDA's policy emulated)"
+            ),
+            attention_backend=("_native_flash" if args.device == "cuda" else "native"),
+        ),
+        server_args=args.server_arg or [],
+        default_server_args=args.default_server_arg or [],
+        versions=_versions(args.device),
+        train_parity=rows(parity),
+        default=rows(default),
+        default_error=default_error,
+        passed=passed,
+    )
+    args.report.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
@@ -495,13 +706,22 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
     adapters = random_adapters(
         args.model_dir, args.updates, args.lora_rank, args.lora_alpha
     )
+    dtypes = _push_dtype_names(args)
     _log(
         f"{args.updates} random LoRA adapters (one per optimizer step): rank "
         f"{args.lora_rank}, alpha {args.lora_alpha:g}, {len(adapters[0])} fp32 "
-        "tensors each (A and B of 12 targets in every block)"
+        "master tensors each (A and B of 12 targets in every block), sent as "
+        + ", ".join(dtypes)
     )
     parity = _run_mode("train_parity", args, adapters, log_dir)
-    default = [] if args.skip_default else _run_mode("default", args, adapters, log_dir)
+    default, default_error = [], None
+    if not args.skip_default:
+        try:
+            default = _run_mode("default", args, adapters, log_dir)
+        except Exception as exc:  # noqa: BLE001 - reported, and the demo fails
+            # train_parity's results still get their table and report
+            default_error = f"{type(exc).__name__}: {exc}"
+            _log(f"[default] FAILED: {default_error}")
     _log("\n" + _table(parity, default) + "\n")
     parity_exact = all(result == (0.0, 0.0, True) for result in parity)
     default_differs = all(max_diff > 0.0 for max_diff, _, _ in default)
@@ -514,7 +734,9 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
             else "DIFFERS from the trainer's recompute or policy checksum"
         )
     )
-    if default:
+    if default_error is not None:
+        _log("default: FAILED (above); the comparison did not run")
+    elif default:
         _log(
             "default: "
             + (
@@ -523,4 +745,7 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
                 else "UNEXPECTEDLY equal to the trainer's recompute"
             )
         )
-    return parity_exact and default_differs
+    passed = parity_exact and default_differs and default_error is None
+    if args.report is not None:
+        _write_report(args, dtypes, parity, default, passed, default_error)
+    return passed
