@@ -142,6 +142,10 @@ class TrainParityContract:
     # CustomOps the DiT builds only for their parameters, which its train_parity
     # forward reads without calling the op (calling one raises).
     parameter_only_ops: tuple[str, ...] = ()
+    # The request field that carries the trainer's CFG scale. Every request
+    # must set it: left unset, the pipeline would guide with a default the
+    # trainer does not know.
+    cfg_scale_field: str | None = None
 
 
 def train_parity_contract(pipeline_config: Any) -> TrainParityContract | None:
@@ -264,12 +268,22 @@ _ONE_VALUE_OPTIONS = {
         "this pipeline's CFG-parallel combine is not the serial n + s * (p - n) "
         "the trainer computes",
     ),
+    "disable_autocast": (
+        True,
+        "the denoising stage's autocast would recast the ops whose dtypes the "
+        "train_parity forward already sets as the trainer's autocast does",
+    ),
 }
 # Request options that switch on step caches, which skip or reuse DiT work.
 REQUEST_CACHE_OPTIONS = ("enable_teacache", "enable_cache_dit", "enable_spectrum")
 # Only the exact tier keeps the training forward's op sequence; lossless and
 # high mount fusions that move roundings.
 REQUEST_QUALITY = "exact"
+# Device memory per image pixel below which no request can run: the VAE
+# decoder holds at least one 128-channel bf16 activation at full resolution.
+MIN_BYTES_PER_PIXEL = 256
+# A request's generator_device: the CPU, or the server's accelerator.
+GENERATOR_DEVICES = ("cpu", "cuda")
 
 
 def _set_only_value(args: ServerArgs, field: str, unset: bool) -> None:
@@ -316,14 +330,38 @@ def adjust_server_args(args: ServerArgs) -> None:
     _set_only_value(args, "sp_degree", args.sp_degree is None)
     if args.enable_cfg_parallel is None and not _cfg_parallel_is_serial(args):
         _set_only_value(args, "enable_cfg_parallel", True)
+    _set_only_value(args, "disable_autocast", args.disable_autocast is None)
+    if args.train_parity_max_image_pixels is None:
+        args.train_parity_max_image_pixels = max_image_pixels()
+        logger.info(
+            "--numerics train_parity: requests up to %d pixels (device memory / "
+            "%d bytes; --train-parity-max-image-pixels sets another bound)",
+            args.train_parity_max_image_pixels,
+            MIN_BYTES_PER_PIXEL,
+        )
+
+
+def max_image_pixels() -> int:
+    """The default bound on a request's width * height: larger images cannot
+    fit in device memory."""
+    from sglang.multimodal_gen.runtime.platforms import current_platform
+
+    return current_platform.get_device_total_memory() // MIN_BYTES_PER_PIXEL
 
 
 def _server_option_conflicts(args: ServerArgs) -> Iterator[tuple[str, str, str]]:
     """(option, why, instead) for each server option the training forward rules out."""
-    for field in ("attention_backend", "lora_merge_mode"):
+    for field in ("attention_backend", "lora_merge_mode", "disable_autocast"):
         if getattr(args, field) != _ONE_VALUE_OPTIONS[field][0]:
             value, why = _ONE_VALUE_OPTIONS[field]
             yield f"{field}={getattr(args, field)!r}", why, f"set {value!r}"
+    if args.batching_max_size > 1:
+        yield (
+            f"--batching-max-size {args.batching_max_size}",
+            "requests batched into one forward run at another batch size than "
+            "the trainer's recompute of each rollout",
+            "leave it at 1",
+        )
     if args.backend == "diffusers":
         yield (
             "--backend diffusers",
@@ -396,11 +434,18 @@ def _server_option_conflicts(args: ServerArgs) -> Iterator[tuple[str, str, str]]
 def validate_server_args(args: ServerArgs) -> None:
     """Refuse every server option that cannot be bitwise under train_parity."""
     check_rope_tables(args.train_parity_rope_tables)
+    max_pixels = args.train_parity_max_image_pixels
+    if max_pixels is not None and max_pixels < 1:
+        raise ValueError(
+            f"--train-parity-max-image-pixels must be positive, got {max_pixels}"
+        )
     if args.numerics != NUMERICS_TRAIN_PARITY:
-        if args.is_arg_explicitly_set("train_parity_rope_tables"):
-            raise ValueError(
-                "--train-parity-rope-tables applies only with --numerics train_parity"
-            )
+        for field in ("train_parity_rope_tables", "train_parity_max_image_pixels"):
+            if args.is_arg_explicitly_set(field):
+                raise ValueError(
+                    f"--{field.replace('_', '-')} applies only with "
+                    "--numerics train_parity"
+                )
         return
     for option, why, instead in _server_option_conflicts(args):
         raise TrainParityError(option, why, instead)
@@ -475,6 +520,67 @@ def adjust_sampling_params(params: Any, server_args: ServerArgs) -> None:
         )
     for option, why, instead in _request_option_conflicts(params):
         raise TrainParityError(option, why, instead)
+    for option, why, instead in _request_input_problems(params, server_args):
+        raise TrainParityError(option, why, instead)
+
+
+def _request_input_problems(
+    params: Any, server_args: ServerArgs
+) -> Iterator[tuple[str, str, str]]:
+    """(option, why, instead) for each request input refused at admission,
+    rather than failing, or silently defaulting, once the request runs."""
+    contract = train_parity_contract(server_args.pipeline_config)
+    field = contract.cfg_scale_field if contract else None
+    if field is not None and getattr(params, field, None) is None:
+        yield (
+            f"a request without {field}",
+            "the pipeline would guide with a default scale the trainer does not "
+            "know",
+            f"set {field} (1 for no CFG)",
+        )
+    max_pixels = server_args.train_parity_max_image_pixels
+    if params.width is not None and params.height is not None:
+        pixels = params.width * params.height
+        if max_pixels is not None and pixels > max_pixels:
+            yield (
+                f"width={params.width} height={params.height}",
+                f"{pixels} pixels exceed the server's bound of {max_pixels}",
+                "request a smaller image or raise --train-parity-max-image-pixels",
+            )
+    device = params.generator_device
+    if device is not None and device not in GENERATOR_DEVICES:
+        yield (
+            f"generator_device={device!r}",
+            "it names no device this server generates noise on",
+            f"set one of {GENERATOR_DEVICES} or leave it unset",
+        )
+
+
+def check_request_fields(unknown: list[str], server_args: ServerArgs) -> None:
+    """Top-level request fields the endpoint does not read: refused under
+    train_parity, where a misplaced option must not be dropped silently."""
+    if unknown and server_args.numerics == NUMERICS_TRAIN_PARITY:
+        raise TrainParityError(
+            f"the unknown request field(s) {', '.join(sorted(unknown))}",
+            "the server would ignore them",
+            "put sampling options in extra_sampling_params",
+        )
+
+
+def check_lora_update(lora_rank: Any, lora_alpha: Any) -> None:
+    """An adapter pushed as tensors states its rank and alpha."""
+    missing = [
+        name
+        for name, value in (("lora_rank", lora_rank), ("lora_alpha", lora_alpha))
+        if value is None
+    ]
+    if missing:
+        raise TrainParityError(
+            f"a LoRA update without {' and '.join(missing)}",
+            "the adapter's scale alpha / rank is not in its tensors, and the "
+            "default alpha = rank serves another policy than the trainer's",
+            "send the trainer's lora_rank and lora_alpha",
+        )
 
 
 _UNMERGED = (
