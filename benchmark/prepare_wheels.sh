@@ -10,13 +10,14 @@
 # server start and calls it only to write videos). Found by a CPU run of the demo with every package
 # the image lacks blocked. ~59 MB in all.
 #
-#   bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
+#   [PYTHON=.venv/bin/python] bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
+# (PYTHON: an interpreter with forktools' requirements, unidiff among them; default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 upstream=${1:?pinned upstream cp312 wheel}
 mkdir -p .whl
 rm -f .whl/sglang-*.whl
-python3 -m forktools build -o .whl --upstream-wheel "$upstream"
+"${PYTHON:-python3}" -m forktools build -o .whl --upstream-wheel "$upstream"
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 \
     manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64; do

@@ -377,11 +377,13 @@ def parity_of_update(
     *,
     device: str = "cpu",
     push_dtype: torch.dtype | None = None,
+    per_step: list[tuple[float, float]] | None = None,
     **rollout_overrides,
 ) -> tuple[float, float, bool]:
     """Push `adapter` (cast to `push_dtype` if given; the trainer keeps the fp32 masters), roll
     out, recompute as the trainer on `device`: (max, mean) |rollout - trainer|, and whether the
-    server's policy checksum is the trainer's."""
+    server's policy checksum is the trainer's. `per_step`, if given, gets each denoising step's
+    (max, mean) appended."""
     from sglang_train_parity.policy import trainer_policy_checksum
     from sglang_train_parity.reference import build_reference
 
@@ -398,6 +400,8 @@ def parity_of_update(
     )
     expected = trainer_model_outputs(trainer, rollout, cfg_scale, device=device)
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
+    if per_step is not None:
+        per_step.extend((d.max().item(), d.mean().item()) for d in diff)
     return diff.max().item(), diff.mean().item(), same_policy
 
 
@@ -419,6 +423,9 @@ def _run_mode(
     )
     started = time.monotonic()
     results = []
+    step_diffs = (
+        args.step_diffs.setdefault(numerics, []) if hasattr(args, "step_diffs") else []
+    )
     extra_args = list(getattr(args, "server_arg", None) or [])
     if numerics == "default":
         extra_args += getattr(args, "default_server_arg", None) or []
@@ -441,6 +448,7 @@ def _run_mode(
         for update, adapter in enumerate(adapters, 1):
             t0 = time.monotonic()
             dtype = dtypes[update - 1]
+            steps: list[tuple[float, float]] = []
             max_diff, mean_diff, same_policy = parity_of_update(
                 server,
                 args.model_dir,
@@ -449,6 +457,7 @@ def _run_mode(
                 args.lora_alpha,
                 device=device,
                 push_dtype=PUSH_DTYPES[dtype],
+                per_step=steps,
                 seed=update,
                 num_inference_steps=args.steps,
             )
@@ -460,6 +469,7 @@ def _run_mode(
                 f"policy_checksum={'equal' if same_policy else 'differs'}"
             )
             results.append((max_diff, mean_diff, same_policy))
+            step_diffs.append(steps)
     _log(f"[{numerics}] server stopped")
     return results
 
@@ -601,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.argv = list(argv)
+    args.step_diffs = {}  # numerics -> per update, per step (max, mean), for --report
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-train-parity-demo-"))
@@ -652,7 +663,8 @@ def _write_report(
     passed: bool,
     default_error: str | None = None,
 ) -> None:
-    def rows(results):
+    def rows(results, numerics):
+        steps = args.step_diffs.get(numerics, [])
         return [
             dict(
                 update=update,
@@ -660,6 +672,9 @@ def _write_report(
                 model_output_max_abs_diff=max_diff,
                 model_output_mean_abs_diff=mean_diff,
                 policy_checksum_equal=same,
+                per_step_max_mean_abs_diff=(
+                    steps[update - 1] if update <= len(steps) else None
+                ),
             )
             for update, (max_diff, mean_diff, same) in enumerate(results, 1)
         ]
@@ -682,8 +697,8 @@ def _write_report(
         server_args=args.server_arg or [],
         default_server_args=args.default_server_arg or [],
         versions=_versions(args.device),
-        train_parity=rows(parity),
-        default=rows(default),
+        train_parity=rows(parity, "train_parity"),
+        default=rows(default, "default"),
         default_error=default_error,
         passed=passed,
     )
