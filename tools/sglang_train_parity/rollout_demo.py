@@ -75,6 +75,10 @@ _CPU_KERNELS_SITECUSTOMIZE = (
 
 
 DEVICES = ("cpu", "cuda")
+# The request's `generator_device` per demo device. On the GPU the SDE rollout draws its variance
+# noise with the request's generator into a buffer on the GPU (flow_rollout_controller), which a
+# CPU generator cannot fill; the trainer's recompute reads the returned latents either way.
+GENERATOR_DEVICE = {"cpu": ROLLOUT_REQUEST["generator_device"], "cuda": "cuda"}
 PUSH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PUSH_DTYPES = "fp32,bf16"  # cycled over the updates: fp32, bf16, fp32, ...
 
@@ -458,6 +462,7 @@ def _run_mode(
                 device=device,
                 push_dtype=PUSH_DTYPES[dtype],
                 per_step=steps,
+                generator_device=GENERATOR_DEVICE[device],
                 seed=update,
                 num_inference_steps=args.steps,
             )
@@ -685,7 +690,12 @@ def _write_report(
         steps=args.steps,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
-        rollout_request={**ROLLOUT_REQUEST, "num_inference_steps": args.steps},
+        rollout_request={
+            **ROLLOUT_REQUEST,
+            "num_inference_steps": args.steps,
+            "generator_device": GENERATOR_DEVICE[args.device],
+            "seed": "the update's number (1, 2, ...)",
+        },
         trainer=dict(
             autocast=(
                 "torch.autocast('cuda', bf16)"
