@@ -29,8 +29,10 @@ rank's shards.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -126,6 +128,32 @@ def module_adapters(module: torch.nn.Module) -> list[AdapterState]:
                 )
             )
     return adapters
+
+
+def _same_object(ref: Any, tensor: torch.Tensor | None) -> bool:
+    return (ref is None and tensor is None) or (ref is not None and ref() is tensor)
+
+
+def cached_adapter_checksum(module: torch.nn.Module) -> str:
+    """``adapter_checksum(module_adapters(module))``, recomputed only when an adapter's
+    settings or tensors changed. ``set_lora_weights`` installs new tensors for every
+    adapter it sets, so a changed adapter is a tensor that is not the cached one;
+    adapter tensors written in place would not be seen (nothing writes them so)."""
+    adapters = module_adapters(module)
+    settings = [(a.module, a.rank, a.alpha, a.strength, a.merged) for a in adapters]
+    tensors = [t for a in adapters for t in (a.lora_A, a.lora_B, a.output_offset)]
+    cached = getattr(module, "_adapter_checksum_cache", None)
+    if (
+        cached is not None
+        and cached[0] == settings
+        and len(cached[1]) == len(tensors)
+        and all(_same_object(ref, t) for ref, t in zip(cached[1], tensors))
+    ):
+        return cached[2]
+    checksum = adapter_checksum(adapters)
+    refs = [None if t is None else weakref.ref(t) for t in tensors]
+    module._adapter_checksum_cache = (settings, refs, checksum)
+    return checksum
 
 
 def module_base_params(

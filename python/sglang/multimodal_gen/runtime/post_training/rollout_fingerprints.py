@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-step fingerprints of a rollout's DiT outputs, for an always-on parity check.
+
+An RL trainer recomputes each rollout step with its own forward. With these
+fingerprints in the rollout response it can check, at no transfer cost, that
+every step's outputs are bitwise the ones it computes, instead of shipping the
+tensors (``rollout_debug_mode``) and comparing them.
+
+Format ``ROLLOUT_FINGERPRINT_FORMAT``, one record per output (row of the batch)::
+
+    {"format": "sglang-rollout-fingerprint/v1",
+     "steps": [{"step": 0, "adapter": <hex>, "conditional": <fp>,
+                "unconditional": <fp>, "combined": <fp>}, ...]}
+
+* ``step``: the denoising-loop index.
+* ``conditional`` / ``unconditional`` (the CFG branch names): the DiT's output for
+  the row; ``combined``: the model output the scheduler steps with, after the CFG
+  combine. A branch that returns several tensors adds ``.0``, ``.1``, ...
+* ``<fp>``: ``tensor_fingerprint`` of the row (the batch dimension dropped):
+  dtype, shape and the BLAKE2b-128 of the raw bytes, e.g.
+  ``bfloat16:256x64:5f3c...``.
+* ``adapter``: the ``adapter`` checksum of ``policy_checksum.py`` for the DiT that
+  ran the step (what ``/get_policy_checksum`` reports), so a mismatch can be told
+  apart as a synced-adapter problem or a numerics one.
+
+Outputs are kept on their device during the loop and hashed when the rollout
+ends, so recording adds no synchronization per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from sglang.multimodal_gen.runtime.post_training.policy_checksum import (
+    cached_adapter_checksum,
+)
+
+ROLLOUT_FINGERPRINT_FORMAT = "sglang-rollout-fingerprint/v1"
+COMBINED = "combined"
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> str:
+    """``dtype:shape:blake2b-128`` of ``tensor``'s raw bytes."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.blake2b(data.data, digest_size=16).hexdigest()
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}:{'x'.join(str(d) for d in tensor.shape)}:{digest}"
+
+
+def _named_tensors(name: str, output: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(output, torch.Tensor):
+        return [(name, output)]
+    return [(f"{name}.{i}", t) for i, t in enumerate(output)]
+
+
+class RolloutFingerprints:
+    """Collects one request's per-step outputs and the adapter each step ran."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[int, str, list[tuple[str, torch.Tensor]]]] = []
+
+    def record_step(
+        self,
+        step_index: int,
+        model: torch.nn.Module,
+        branch_outputs: dict[str, Any],
+        combined: Any,
+    ) -> None:
+        outputs = [
+            (name, tensor.detach().clone())
+            for branch, output in (*branch_outputs.items(), (COMBINED, combined))
+            for name, tensor in _named_tensors(branch, output)
+        ]
+        self._steps.append((step_index, cached_adapter_checksum(model), outputs))
+
+    def per_output(self) -> list[dict[str, Any]]:
+        """One fingerprint record per output row."""
+        if not self._steps:
+            return []
+        rows = self._steps[0][2][0][1].shape[0]
+        return [
+            {
+                "format": ROLLOUT_FINGERPRINT_FORMAT,
+                "steps": [
+                    {
+                        "step": step,
+                        "adapter": adapter,
+                        **{name: tensor_fingerprint(t[row]) for name, t in outputs},
+                    }
+                    for step, adapter, outputs in self._steps
+                ],
+            }
+            for row in range(rows)
+        ]

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The trainer's side of rollout fingerprints: check a rollout step by step against the
+outputs the trainer's own forward produced, without the rollout shipping any tensor.
+
+Under ``--numerics train_parity`` every ``/rollout/generate`` response carries
+``rollout_fingerprints`` (format ``sglang-rollout-fingerprint/v1``, defined in sglang's
+``runtime/post_training/rollout_fingerprints.py``): per denoising step, a hash of each CFG
+branch's DiT output, of the combined model output, and the adapter checksum the step ran with.
+A trainer that recomputes the steps anyway hashes its own tensors and compares::
+
+    from sglang_train_parity.fingerprints import verify_rollout
+
+    verdict = verify_rollout(response["rollout_fingerprints"], trainer_steps, trainer_adapter)
+    assert verdict.ok, verdict.explain()
+
+``trainer_steps`` maps a step index to that step's outputs for this rollout's row (batch
+dimension dropped), by branch name: ``{"conditional": pos, "unconditional": neg, "combined":
+out}``; steps the trainer did not recompute are left out. ``trainer_adapter`` is
+``trainer_policy_checksum(model, include_base=False)["adapter"]`` (sglang_train_parity.policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang.multimodal_gen.runtime.post_training.rollout_fingerprints import (
+    ROLLOUT_FINGERPRINT_FORMAT,
+    tensor_fingerprint,
+)
+
+
+@dataclass
+class StepCheck:
+    """One recomputed step: which outputs differ, and whether the adapter matched."""
+
+    step: int
+    differing: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    adapter_equal: bool | None = None
+
+    @property
+    def equal(self) -> bool:
+        return not self.differing and not self.missing and self.adapter_equal is not False
+
+
+@dataclass
+class Verdict:
+    steps: list[StepCheck]
+    not_recomputed: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.steps) and all(step.equal for step in self.steps)
+
+    @property
+    def first_mismatch(self) -> StepCheck | None:
+        return next((step for step in self.steps if not step.equal), None)
+
+    def explain(self) -> str:
+        if not self.steps:
+            return "no step was recomputed: nothing to compare"
+        bad = self.first_mismatch
+        if bad is None:
+            return f"all {len(self.steps)} recomputed steps bitwise equal"
+        parts = [f"step {bad.step}"]
+        if bad.differing:
+            parts.append(f"{', '.join(bad.differing)} differ")
+        if bad.missing:
+            parts.append(f"{', '.join(bad.missing)} not in the rollout's fingerprints")
+        if bad.adapter_equal is False:
+            cause = "the engine ran another adapter than the trainer's (a sync problem)"
+        elif bad.adapter_equal:
+            cause = "with the trainer's adapter, so the forwards differ (a numerics problem)"
+        else:
+            cause = "adapter not compared"
+        mismatched = sum(not step.equal for step in self.steps)
+        return (
+            f"{'; '.join(parts)}: {cause}; "
+            f"{mismatched} of {len(self.steps)} recomputed steps differ"
+        )
+
+
+def step_fingerprints(outputs: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The fingerprints of one step's outputs, by name."""
+    return {name: tensor_fingerprint(tensor) for name, tensor in outputs.items()}
+
+
+def verify_rollout(
+    rollout_fingerprints: Mapping[str, Any] | None,
+    trainer_steps: Mapping[int, Mapping[str, torch.Tensor]],
+    trainer_adapter: str | None = None,
+) -> Verdict:
+    """Compare a rollout's fingerprints with the trainer's outputs of the same steps."""
+    if not rollout_fingerprints:
+        raise ValueError(
+            "the rollout carries no fingerprints: serve with --numerics train_parity "
+            "(or request rollout_return_fingerprints=true)"
+        )
+    if rollout_fingerprints.get("format") != ROLLOUT_FINGERPRINT_FORMAT:
+        raise ValueError(
+            f"fingerprint format {rollout_fingerprints.get('format')!r}, this verifier "
+            f"reads {ROLLOUT_FINGERPRINT_FORMAT!r}"
+        )
+    served = {record["step"]: record for record in rollout_fingerprints["steps"]}
+    unknown = sorted(set(trainer_steps) - set(served))
+    if unknown:
+        raise ValueError(f"steps {unknown} are not in the rollout ({sorted(served)})")
+    checks = []
+    for step in sorted(trainer_steps):
+        record = served[step]
+        ours = step_fingerprints(trainer_steps[step])
+        checks.append(
+            StepCheck(
+                step=step,
+                differing=[n for n in ours if n in record and record[n] != ours[n]],
+                missing=[n for n in ours if n not in record],
+                adapter_equal=(
+                    None if trainer_adapter is None else record["adapter"] == trainer_adapter
+                ),
+            )
+        )
+    return Verdict(checks, sorted(set(served) - set(trainer_steps)))
