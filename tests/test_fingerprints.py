@@ -1,0 +1,95 @@
+"""Online parity verification by fingerprints (issue 14): every train_parity rollout carries
+per-step fingerprints of its DiT outputs; the trainer hashes the outputs of its own recompute
+and compares, with no tensor shipped. Against the session's `--numerics train_parity` server
+on CPU: equal on every step for the trainer's adapter; a wrong adapter, or a forward that
+differs with the right adapter, is caught and named by fingerprints alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_train_parity import rollout_demo as demo
+from sglang_train_parity.fingerprints import verify_rollout
+from sglang_train_parity.policy import trainer_policy_checksum
+
+pytestmark = pytest.mark.slow
+
+CFG = demo.ROLLOUT_REQUEST["true_cfg_scale"]
+# what a production rollout asks for: the trainer's inputs, no debug tensors
+PRODUCTION = dict(rollout_debug_mode=False, num_inference_steps=3, seed=5)
+
+
+def _adapter(model) -> str:
+    return trainer_policy_checksum(model, include_base=False)["adapter"]
+
+
+@pytest.fixture(scope="module")
+def rollout(server, served):
+    return demo.request_rollout(server, **PRODUCTION)
+
+
+def test_every_step_is_bitwise_by_fingerprint(rollout, served):
+    assert (
+        "rollout_debug_tensors" not in rollout or not rollout["rollout_debug_tensors"]
+    )
+    fingerprints = rollout["rollout_fingerprints"]
+    assert fingerprints["format"] == "sglang-rollout-fingerprint/v1"
+    assert [s["step"] for s in fingerprints["steps"]] == [0, 1, 2]
+    steps = demo.trainer_step_outputs(served, rollout, CFG)
+    verdict = verify_rollout(fingerprints, steps, _adapter(served))
+    assert verdict.ok, verdict.explain()
+    assert verdict.explain() == "all 3 recomputed steps bitwise equal"
+
+
+def test_a_wrong_adapter_is_caught_as_a_sync_problem(rollout, model_dir, adapters):
+    from sglang_train_parity.reference import build_reference
+
+    stale = build_reference(
+        model_dir / "transformer", adapters[1], demo.LORA_RANK, demo.LORA_ALPHA
+    )
+    steps = demo.trainer_step_outputs(stale, rollout, CFG)
+    verdict = verify_rollout(rollout["rollout_fingerprints"], steps, _adapter(stale))
+    assert not verdict.ok
+    assert verdict.first_mismatch.step == 0
+    assert verdict.explain().startswith(
+        "step 0; conditional, unconditional, combined differ: the engine ran another "
+        "adapter than the trainer's (a sync problem)"
+    )
+
+
+def test_another_forward_is_caught_as_a_numerics_problem(rollout, served):
+    """The trainer's adapter, a forward that is not the served one (the combine's norms in
+    bf16 instead of fp32): only `combined` differs, and the verdict says numerics."""
+    steps = demo.trainer_step_outputs(served, rollout, CFG)
+    for outputs in steps.values():
+        outputs["combined"] = outputs["combined"].bfloat16().float()
+    verdict = verify_rollout(rollout["rollout_fingerprints"], steps, _adapter(served))
+    assert not verdict.ok
+    assert (
+        "combined differ: with the trainer's adapter, so the forwards differ (a numerics"
+        in (verdict.explain())
+    )
+    assert all(step.differing == ["combined"] for step in verdict.steps)
+
+
+def test_a_subset_of_steps_can_be_checked(rollout, served):
+    steps = demo.trainer_step_outputs(served, rollout, CFG)
+    verdict = verify_rollout(rollout["rollout_fingerprints"], {2: steps[2]})
+    assert verdict.ok and verdict.not_recomputed == [0, 1]
+
+
+def test_fingerprints_can_be_declined(server, served):
+    rollout = demo.request_rollout(
+        server, **PRODUCTION, rollout_return_fingerprints=False
+    )
+    assert rollout["rollout_fingerprints"] is None
+    with pytest.raises(ValueError, match="the rollout carries no fingerprints"):
+        verify_rollout(rollout["rollout_fingerprints"], {})
+
+
+def test_verifier_refuses_what_it_cannot_compare():
+    record = {"format": "sglang-rollout-fingerprint/v1", "steps": [{"step": 0}]}
+    with pytest.raises(ValueError, match=r"steps \[3\] are not in the rollout"):
+        verify_rollout(record, {3: {"combined": torch.zeros(1)}})
+    with pytest.raises(ValueError, match="this verifier reads"):
+        verify_rollout({**record, "format": "v0"}, {})
