@@ -44,7 +44,9 @@ class StepCheck:
 
     @property
     def equal(self) -> bool:
-        return not self.differing and not self.missing and self.adapter_equal is not False
+        return (
+            not self.differing and not self.missing and self.adapter_equal is not False
+        )
 
 
 @dataclass
@@ -119,7 +121,9 @@ def verify_rollout(
                 differing=[n for n in ours if n in record and record[n] != ours[n]],
                 missing=[n for n in ours if n not in record],
                 adapter_equal=(
-                    None if trainer_adapter is None else record["adapter"] == trainer_adapter
+                    None
+                    if trainer_adapter is None
+                    else record["adapter"] == trainer_adapter
                 ),
             )
         )

@@ -43,9 +43,15 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang_train_parity.fingerprints import Verdict
+
+    # (max |rollout - trainer|, mean, policy checksum equal, fingerprints' verdict)
+    UpdateResult = tuple[float, float, bool, Verdict]
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "sglang-train-parity" / "tiny-qwen-image"
 LORA_RANK = 4
@@ -64,6 +70,7 @@ ROLLOUT_REQUEST = dict(
     rollout_debug_mode=True,  # returns the per-step model outputs
     rollout_return_denoising_env=True,  # the text embeds and image shapes the DiT saw
     rollout_return_dit_trajectory=True,  # the latents and timesteps of every step
+    rollout_return_fingerprints=True,  # per-step output hashes (on by default under train_parity)
 )
 SERVER_START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 300
@@ -312,19 +319,21 @@ def rollout_model_outputs(rollout: dict[str, Any]) -> torch.Tensor:
     return rollout["rollout_debug_tensors"]["rollout_model_outputs"]
 
 
-def trainer_model_outputs(
+def trainer_step_outputs(
     model: torch.nn.Module,
     rollout: dict[str, Any],
     cfg_scale: float,
     device: str = "cpu",
-) -> torch.Tensor:
-    """Every step's post-CFG model output as the trainer recomputes it from the rollout's
-    returned inputs (docs/numerics-contract.md): two DiT forwards under autocast, then
-    ``neg + s * (pos - neg)`` rescaled to the conditional norm with fp32 norms.
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Every step's outputs as the trainer recomputes them from the rollout's returned inputs
+    (docs/numerics-contract.md), by step index: ``conditional`` and ``unconditional`` (the two
+    DiT forwards under autocast) and ``combined`` (``neg + s * (pos - neg)`` rescaled to the
+    conditional norm with fp32 norms), batch dimension dropped, on the CPU: what
+    ``sglang_train_parity.fingerprints.verify_rollout`` takes.
 
     `device` "cpu": CUDA's autocast policy emulated on the CPU, diffusers' ``native``
     attention; "cuda": real ``torch.autocast("cuda", bf16)`` and ``_native_flash`` (`model`
-    on the GPU). Returns the outputs on the CPU."""
+    on the GPU)."""
     from sglang_train_parity.autocast_emulation import cuda_autocast
     from sglang_train_parity.reference import ATTENTION_BACKEND
 
@@ -337,7 +346,7 @@ def trainer_model_outputs(
         for branch in ("pos", "neg")
     }
     img_shapes = [[tuple(s) for s in env["pos_cond_kwargs"]["img_shapes"][0]]]
-    outputs = []
+    outputs = {}
     # the trajectory holds each step's DiT input, then the final latent
     for step in range(len(trajectory["timesteps"]) - 1):
         inputs = dict(
@@ -357,8 +366,24 @@ def trainer_model_outputs(
                 torch.norm(pos, dim=-1, keepdim=True)
                 / torch.norm(combined, dim=-1, keepdim=True).clamp_min(1e-12)
             )
-        outputs.append(combined[0].cpu())
-    return torch.stack(outputs)
+        outputs[step] = {
+            "conditional": pos[0].cpu(),
+            "unconditional": neg[0].cpu(),
+            "combined": combined[0].cpu(),
+        }
+    return outputs
+
+
+def trainer_model_outputs(
+    model: torch.nn.Module,
+    rollout: dict[str, Any],
+    cfg_scale: float,
+    device: str = "cpu",
+) -> torch.Tensor:
+    """[steps, tokens, channels] post-CFG model outputs as the trainer recomputes them
+    (`trainer_step_outputs`), on the CPU."""
+    steps = trainer_step_outputs(model, rollout, cfg_scale, device)
+    return torch.stack([steps[step]["combined"] for step in sorted(steps)])
 
 
 def random_adapters(
@@ -383,11 +408,13 @@ def parity_of_update(
     push_dtype: torch.dtype | None = None,
     per_step: list[tuple[float, float]] | None = None,
     **rollout_overrides,
-) -> tuple[float, float, bool]:
+) -> tuple[float, float, bool, Verdict]:
     """Push `adapter` (cast to `push_dtype` if given; the trainer keeps the fp32 masters), roll
-    out, recompute as the trainer on `device`: (max, mean) |rollout - trainer|, and whether the
-    server's policy checksum is the trainer's. `per_step`, if given, gets each denoising step's
-    (max, mean) appended."""
+    out, recompute as the trainer on `device`: (max, mean) |rollout - trainer|, whether the
+    server's policy checksum is the trainer's, and the verdict of the rollout's fingerprints
+    against the trainer's outputs (what a production trainer checks, no tensor shipped).
+    `per_step`, if given, gets each denoising step's (max, mean) appended."""
+    from sglang_train_parity.fingerprints import verify_rollout
     from sglang_train_parity.policy import trainer_policy_checksum
     from sglang_train_parity.reference import build_reference
 
@@ -397,16 +424,21 @@ def parity_of_update(
     trainer = build_reference(
         model_dir / "transformer", adapter, rank, alpha, device=device
     )
-    same_policy = policy_checksum(server) == trainer_policy_checksum(trainer)
+    trainer_checksum = trainer_policy_checksum(trainer)
+    same_policy = policy_checksum(server) == trainer_checksum
     rollout = request_rollout(server, **rollout_overrides)
     cfg_scale = rollout_overrides.get(
         "true_cfg_scale", ROLLOUT_REQUEST["true_cfg_scale"]
     )
-    expected = trainer_model_outputs(trainer, rollout, cfg_scale, device=device)
+    steps = trainer_step_outputs(trainer, rollout, cfg_scale, device=device)
+    verdict = verify_rollout(
+        rollout["rollout_fingerprints"], steps, trainer_checksum["adapter"]
+    )
+    expected = torch.stack([steps[step]["combined"] for step in sorted(steps)])
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     if per_step is not None:
         per_step.extend((d.max().item(), d.mean().item()) for d in diff)
-    return diff.max().item(), diff.mean().item(), same_policy
+    return diff.max().item(), diff.mean().item(), same_policy, verdict
 
 
 def _push_dtype_names(args: argparse.Namespace) -> list[str]:
@@ -453,7 +485,7 @@ def _run_mode(
             t0 = time.monotonic()
             dtype = dtypes[update - 1]
             steps: list[tuple[float, float]] = []
-            max_diff, mean_diff, same_policy = parity_of_update(
+            max_diff, mean_diff, same_policy, verdict = parity_of_update(
                 server,
                 args.model_dir,
                 adapter,
@@ -471,33 +503,56 @@ def _run_mode(
                 f"rollout recomputed ({time.monotonic() - t0:.1f} s): "
                 f"model_output_max_abs_diff={max_diff!r} "
                 f"model_output_mean_abs_diff={mean_diff!r} "
-                f"policy_checksum={'equal' if same_policy else 'differs'}"
+                f"policy_checksum={'equal' if same_policy else 'differs'} "
+                f"fingerprints={'equal' if verdict.ok else 'differ'}"
             )
-            results.append((max_diff, mean_diff, same_policy))
+            _log(f"[{numerics}] update {update}: fingerprints: {verdict.explain()}")
+            results.append((max_diff, mean_diff, same_policy, verdict))
             step_diffs.append(steps)
     _log(f"[{numerics}] server stopped")
     return results
 
 
-def _table(
-    parity: list[tuple[float, float, bool]], default: list[tuple[float, float, bool]]
-) -> str:
+def _table(parity: list[UpdateResult], default: list[UpdateResult]) -> str:
     rows = [
-        ("update", "train_parity max / mean", "policy checksum", "default max / mean")
-    ]
-    for update, (tp_max, tp_mean, same_policy) in enumerate(parity, 1):
-        other = (
-            f"{default[update - 1][0]:.3e} / {default[update - 1][1]:.3e}"
-            if default
-            else "skipped"
+        (
+            "update",
+            "train_parity max / mean",
+            "policy checksum",
+            "fingerprints",
+            "default max / mean",
+            "default fingerprints",
         )
+    ]
+    for update, (tp_max, tp_mean, same_policy, verdict) in enumerate(parity, 1):
+        other, other_fingerprints = "skipped", "skipped"
+        if default:
+            d_max, d_mean, _, d_verdict = default[update - 1]
+            other = f"{d_max:.3e} / {d_mean:.3e}"
+            other_fingerprints = _fingerprint_cell(d_verdict)
         checksum = "equal" if same_policy else "DIFFERS"
-        rows.append((str(update), f"{tp_max!r} / {tp_mean!r}", checksum, other))
+        rows.append(
+            (
+                str(update),
+                f"{tp_max!r} / {tp_mean!r}",
+                checksum,
+                _fingerprint_cell(verdict),
+                other,
+                other_fingerprints,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
         for row in rows
     )
+
+
+def _fingerprint_cell(verdict: Verdict) -> str:
+    if verdict.ok:
+        return f"equal on {len(verdict.steps)} steps"
+    bad = sum(not step.equal for step in verdict.steps)
+    return f"differ on {bad} of {len(verdict.steps)} steps"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -663,8 +718,8 @@ def _versions(device: str) -> dict[str, Any]:
 def _write_report(
     args: argparse.Namespace,
     dtypes: list[str],
-    parity: list[tuple[float, float, bool]],
-    default: list[tuple[float, float, bool]],
+    parity: list[UpdateResult],
+    default: list[UpdateResult],
     passed: bool,
     default_error: str | None = None,
 ) -> None:
@@ -677,11 +732,13 @@ def _write_report(
                 model_output_max_abs_diff=max_diff,
                 model_output_mean_abs_diff=mean_diff,
                 policy_checksum_equal=same,
+                fingerprints_equal=verdict.ok,
+                fingerprints=verdict.explain(),
                 per_step_max_mean_abs_diff=(
                     steps[update - 1] if update <= len(steps) else None
                 ),
             )
-            for update, (max_diff, mean_diff, same) in enumerate(results, 1)
+            for update, (max_diff, mean_diff, same, verdict) in enumerate(results, 1)
         ]
 
     report = dict(
@@ -748,15 +805,21 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
             default_error = f"{type(exc).__name__}: {exc}"
             _log(f"[default] FAILED: {default_error}")
     _log("\n" + _table(parity, default) + "\n")
-    parity_exact = all(result == (0.0, 0.0, True) for result in parity)
-    default_differs = all(max_diff > 0.0 for max_diff, _, _ in default)
+    parity_exact = all(
+        (max_diff, mean_diff, same) == (0.0, 0.0, True) and verdict.ok
+        for max_diff, mean_diff, same, verdict in parity
+    )
+    # and the fingerprints alone catch it
+    default_differs = all(
+        max_diff > 0.0 and not verdict.ok for max_diff, _, _, verdict in default
+    )
     _log(
         "train_parity: "
         + (
-            "bitwise equal to the trainer's recompute on every update, serving the "
-            "trainer's policy checksum"
+            "bitwise equal to the trainer's recompute on every update (fingerprints "
+            "equal on every step), serving the trainer's policy checksum"
             if parity_exact
-            else "DIFFERS from the trainer's recompute or policy checksum"
+            else "DIFFERS from the trainer's recompute, fingerprints or policy checksum"
         )
     )
     if default_error is not None:
@@ -765,7 +828,8 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
         _log(
             "default: "
             + (
-                "differs from the trainer's recompute, as expected"
+                "differs from the trainer's recompute, as expected, and its "
+                "fingerprints alone catch it"
                 if default_differs
                 else "UNEXPECTEDLY equal to the trainer's recompute"
             )

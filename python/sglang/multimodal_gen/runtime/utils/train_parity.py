@@ -529,6 +529,8 @@ def _request_input_problems(
 ) -> Iterator[tuple[str, str, str]]:
     """(option, why, instead) for each request input refused at admission,
     rather than failing, or silently defaulting, once the request runs."""
+    from sglang.multimodal_gen.runtime.platforms import current_platform
+
     contract = train_parity_contract(server_args.pipeline_config)
     field = contract.cfg_scale_field if contract else None
     if field is not None and getattr(params, field, None) is None:
@@ -553,6 +555,13 @@ def _request_input_problems(
             f"generator_device={device!r}",
             "it names no device this server generates noise on",
             f"set one of {GENERATOR_DEVICES} or leave it unset",
+        )
+    elif device == "cpu" and params.rollout and not current_platform.is_cpu():
+        yield (
+            "generator_device='cpu' in a rollout on this server",
+            f"the rollout draws its SDE noise on {current_platform.device_type} "
+            "with the request's generator",
+            f"set {current_platform.device_type!r} or leave it unset",
         )
 
 

@@ -19,6 +19,7 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityContract,
     TrainParityError,
 )
+from sglang.multimodal_gen.test.unit.conftest import mock_cuda_platform
 from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
 
 
@@ -100,6 +101,20 @@ def test_request_input_is_checked_at_admission(request_kwargs, option):
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
         _request(args, **request_kwargs)
     _request(_args(numerics="default"), **request_kwargs)
+
+
+def test_rollouts_draw_noise_on_the_server_device():
+    """On a GPU server a rollout's SDE noise is drawn on the GPU with the request's
+    generator: a CPU generator used to fail there with a 500 at the first step."""
+    args = _args()
+    with mock_cuda_platform():
+        with pytest.raises(
+            TrainParityError, match="generator_device='cpu' in a rollout"
+        ):
+            _request(args, true_cfg_scale=4.0, generator_device="cpu", rollout=True)
+        _request(args, true_cfg_scale=4.0, generator_device="cuda", rollout=True)
+        _request(args, true_cfg_scale=4.0, generator_device="cpu")  # not a rollout
+    _request(args, true_cfg_scale=4.0, generator_device="cpu", rollout=True)  # CPU
 
 
 def test_unknown_request_fields_are_refused():
