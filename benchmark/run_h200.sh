@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|tool|demo|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|all]
 #
 # demo: `sglang-train-parity demo --device cuda`, the real `sglang serve` on the GPU (train_parity,
 # then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
-# not part of `all`.
+# not part of `all`; it also runs `fingerprints` (benchmark/fingerprint_cost.py: what per-step rollout
+# fingerprints cost at real Qwen-Image sizes).
 #
 # Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
 # built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
@@ -42,6 +43,17 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     src=$?
     echo "speed exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
+fi
+if [ "$what" = fingerprints ] || [ "$what" = demo ]; then
+    # what rollout fingerprints cost per step at real Qwen-Image sizes (60 blocks' LoRA r64 adapters)
+    timeout "${FINGERPRINT_TIMEOUT:-150}" python3 -c 'import runpy, sys; sys.path.insert(0, ".")
+from benchmark import gpu_standins; gpu_standins.install()
+sys.argv = ["fingerprint_cost.py", *sys.argv[1:]]
+runpy.run_path("benchmark/fingerprint_cost.py", run_name="__main__")' \
+        --device cuda --out "$OUT/fingerprint_cost.json" >"$OUT/fingerprint_cost.log" 2>&1
+    frc=$?
+    echo "fingerprint cost exit $frc"; rc=$((rc | frc))
+    grep -E "per step|adapter checksum|Error" "$OUT/fingerprint_cost.log" | tail -5
 fi
 if [ "$what" = demo ]; then
     # The client and both servers run benchmark/demo_site/sitecustomize.py (stand-ins, logged native

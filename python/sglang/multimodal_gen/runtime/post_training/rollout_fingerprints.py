@@ -17,8 +17,8 @@ Format ``ROLLOUT_FINGERPRINT_FORMAT``, one record per output (row of the batch):
   the row; ``combined``: the model output the scheduler steps with, after the CFG
   combine. A branch that returns several tensors adds ``.0``, ``.1``, ...
 * ``<fp>``: ``tensor_fingerprint`` of the row (the batch dimension dropped):
-  dtype, shape and the BLAKE2b-128 of the raw bytes, e.g.
-  ``bfloat16:256x64:5f3c...``.
+  dtype, shape and the SHA-256 of the raw bytes (hardware-accelerated on current
+  CPUs), e.g. ``bfloat16:256x64:5f3c...``.
 * ``adapter``: the ``adapter`` checksum of ``policy_checksum.py`` for the DiT that
   ran the step (what ``/get_policy_checksum`` reports), so a mismatch can be told
   apart as a synced-adapter problem or a numerics one.
@@ -44,12 +44,12 @@ COMBINED = "combined"
 
 
 def tensor_fingerprint(tensor: torch.Tensor) -> str:
-    """``dtype:shape:blake2b-128`` of ``tensor``'s raw bytes."""
+    """``dtype:shape:sha256`` of ``tensor``'s raw bytes."""
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
     data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    digest = hashlib.blake2b(data.data, digest_size=16).hexdigest()
+    digest = hashlib.sha256(data.data).hexdigest()
     dtype = str(tensor.dtype).removeprefix("torch.")
     return f"{dtype}:{'x'.join(str(d) for d in tensor.shape)}:{digest}"
 
@@ -61,10 +61,14 @@ def _named_tensors(name: str, output: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 class RolloutFingerprints:
-    """Collects one request's per-step outputs and the adapter each step ran."""
+    """Collects one request's per-step outputs and the adapter each step ran.
+
+    Adapter updates wait for running requests, so each DiT's adapter checksum is
+    read once per request (a walk over its LoRA layers), not once per step."""
 
     def __init__(self) -> None:
         self._steps: list[tuple[int, str, list[tuple[str, torch.Tensor]]]] = []
+        self._adapters: dict[int, str] = {}
 
     def record_step(
         self,
@@ -78,13 +82,20 @@ class RolloutFingerprints:
             for branch, output in (*branch_outputs.items(), (COMBINED, combined))
             for name, tensor in _named_tensors(branch, output)
         ]
-        self._steps.append((step_index, cached_adapter_checksum(model), outputs))
+        if id(model) not in self._adapters:
+            self._adapters[id(model)] = cached_adapter_checksum(model)
+        self._steps.append((step_index, self._adapters[id(model)], outputs))
 
     def per_output(self) -> list[dict[str, Any]]:
         """One fingerprint record per output row."""
         if not self._steps:
             return []
-        rows = self._steps[0][2][0][1].shape[0]
+        # one copy to the host per output, then a hash per row
+        steps = [
+            (step, adapter, [(name, t.cpu()) for name, t in outputs])
+            for step, adapter, outputs in self._steps
+        ]
+        rows = steps[0][2][0][1].shape[0]
         return [
             {
                 "format": ROLLOUT_FINGERPRINT_FORMAT,
@@ -94,7 +105,7 @@ class RolloutFingerprints:
                         "adapter": adapter,
                         **{name: tensor_fingerprint(t[row]) for name, t in outputs},
                     }
-                    for step, adapter, outputs in self._steps
+                    for step, adapter, outputs in steps
                 ],
             }
             for row in range(rows)

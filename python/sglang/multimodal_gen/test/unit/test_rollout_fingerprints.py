@@ -34,7 +34,7 @@ def test_fingerprint_is_dtype_shape_and_raw_bytes():
     x = torch.randn(4, 6).to(BF16)
     fingerprint = tensor_fingerprint(x)
     dtype, shape, digest = fingerprint.split(":")
-    assert (dtype, shape, len(digest)) == ("bfloat16", "4x6", 32)
+    assert (dtype, shape, len(digest)) == ("bfloat16", "4x6", 64)
     assert tensor_fingerprint(x.clone()) == fingerprint
     one_ulp = x.clone()
     one_ulp.view(torch.int16)[0, 0] += 1
