@@ -35,6 +35,17 @@ def assert_policy_kept(server, trainer, before, response, status=400, *fragments
     assert_serves_with_parity(server, trainer)
 
 
+def assert_refused_by_train_parity(server, trainer, before, response, refused):
+    assert_policy_kept(
+        server,
+        trainer,
+        before,
+        response,
+        400,
+        f"--numerics train_parity does not support {refused}",
+    )
+
+
 def push(server, adapter, **fields):
     body = dict(
         serialized_named_tensors=[demo.encode_tensors(list(adapter.items()))],
@@ -76,13 +87,8 @@ def test_lora_update_without_rank_or_alpha_is_refused(
 ):
     before = demo.policy_checksum(server)
     response = push(server, adapters[1], weight_update_mode="lora_merge", **fields)
-    assert_policy_kept(
-        server,
-        served,
-        before,
-        response,
-        400,
-        f"--numerics train_parity does not support a LoRA update without {missing}",
+    assert_refused_by_train_parity(
+        server, served, before, response, f"a LoRA update without {missing}"
     )
 
 
@@ -186,14 +192,7 @@ def test_rollout_is_checked_at_admission(server, served, fields, named):
     response = server.post(
         "/rollout/generate", **{k: v for k, v in body.items() if v is not None}
     )
-    assert_policy_kept(
-        server,
-        served,
-        before,
-        response,
-        400,
-        f"--numerics train_parity does not support {named}",
-    )
+    assert_refused_by_train_parity(server, served, before, response, named)
 
 
 # Guarantees that hold today and must survive a rebase.

@@ -11,7 +11,6 @@ import torch
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
-from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
 from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
 from sglang.multimodal_gen.runtime.utils import train_parity
@@ -21,6 +20,7 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
 )
 from sglang.multimodal_gen.test.unit.conftest import mock_cuda_platform
 from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
+from sglang.multimodal_gen.test.unit.test_train_parity_options import _request
 
 
 @dataclass
@@ -67,13 +67,6 @@ def test_image_bound_derives_from_device_memory():
         _args(train_parity_max_image_pixels=0)
     with pytest.raises(ValueError, match="applies only with --numerics train_parity"):
         _args(numerics="default", train_parity_max_image_pixels=4096)
-
-
-def _request(args, **kwargs) -> SamplingParams:
-    params = SamplingParams(prompt="a cat", **kwargs)
-    params._explicit_fields = set(kwargs)
-    train_parity.adjust_sampling_params(params, args)
-    return params
 
 
 def test_a_complete_request_is_admitted():
