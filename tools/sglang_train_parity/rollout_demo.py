@@ -7,10 +7,12 @@ with ``--device cuda``) with ``--numerics train_parity --lora-merge-mode dynamic
 of N "optimizer steps" pushes a fresh random LoRA adapter (all 12 PEFT targets of every block)
 through ``/update_weights_from_tensor``, sent as the fp32 masters or as their bf16 copies
 (``--push-dtypes``, fp32 and bf16 in turn by default), requests a rollout with true CFG through
-``/rollout/generate`` and recomputes every returned step's post-CFG model output with diffusers +
-PEFT under CUDA's autocast policy (emulated on CPU; real ``torch.autocast("cuda", bf16)`` with the
-``_native_flash`` attention backend on the GPU). The same loop against a ``--numerics default``
-server shows the difference train_parity removes. The helpers here (server, push, rollout,
+``/rollout/generate`` as a production trainer does (per-step fingerprints, no debug tensors),
+recomputes every step with diffusers + PEFT under CUDA's autocast policy (emulated on CPU; real
+``torch.autocast("cuda", bf16)`` with the ``_native_flash`` attention backend on the GPU) and checks
+the rollout's fingerprints against the recompute. The same loop against a ``--numerics default``
+server shows the difference train_parity removes: its fingerprints differ, and the same rollout
+requested again with its debug tensors shows by how much. The helpers here (server, push, rollout,
 recompute) are also the tests' client.
 
 Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no installable package
@@ -50,8 +52,9 @@ import torch
 if TYPE_CHECKING:
     from sglang_train_parity.fingerprints import Verdict
 
-    # (max |rollout - trainer|, mean, policy checksum equal, fingerprints' verdict)
-    UpdateResult = tuple[float, float, bool, Verdict]
+    # (max and mean |rollout - trainer|, None when the fingerprints are equal; policy
+    # checksum equal; the fingerprints' verdict)
+    UpdateResult = tuple[float | None, float | None, bool, Verdict]
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "sglang-train-parity" / "tiny-qwen-image"
 LORA_RANK = 4
@@ -408,12 +411,15 @@ def parity_of_update(
     push_dtype: torch.dtype | None = None,
     per_step: list[tuple[float, float]] | None = None,
     **rollout_overrides,
-) -> tuple[float, float, bool, Verdict]:
+) -> UpdateResult:
     """Push `adapter` (cast to `push_dtype` if given; the trainer keeps the fp32 masters), roll
-    out, recompute as the trainer on `device`: (max, mean) |rollout - trainer|, whether the
-    server's policy checksum is the trainer's, and the verdict of the rollout's fingerprints
-    against the trainer's outputs (what a production trainer checks, no tensor shipped).
-    `per_step`, if given, gets each denoising step's (max, mean) appended."""
+    out as in production (fingerprints, no debug tensors), recompute as the trainer on `device`
+    and verify the rollout's fingerprints against the trainer's outputs. Returns the max and
+    mean |rollout - trainer| of the post-CFG outputs (None when the fingerprints are equal:
+    then every step is bitwise equal), whether the server's policy checksum is the trainer's,
+    and the fingerprints' verdict. When the fingerprints differ, the same rollout is requested
+    again with its debug tensors to measure how far apart they are; `per_step`, if given, gets
+    each step's (max, mean) appended."""
     from sglang_train_parity.fingerprints import verify_rollout
     from sglang_train_parity.policy import trainer_policy_checksum
     from sglang_train_parity.reference import build_reference
@@ -426,15 +432,23 @@ def parity_of_update(
     )
     trainer_checksum = trainer_policy_checksum(trainer)
     same_policy = policy_checksum(server) == trainer_checksum
-    rollout = request_rollout(server, **rollout_overrides)
     cfg_scale = rollout_overrides.get(
         "true_cfg_scale", ROLLOUT_REQUEST["true_cfg_scale"]
+    )
+    rollout = request_rollout(
+        server, **{**rollout_overrides, "rollout_debug_mode": False}
     )
     steps = trainer_step_outputs(trainer, rollout, cfg_scale, device=device)
     verdict = verify_rollout(
         rollout["rollout_fingerprints"], steps, trainer_checksum["adapter"]
     )
-    expected = torch.stack([steps[step]["combined"] for step in sorted(steps)])
+    if verdict.ok:
+        return None, None, same_policy, verdict
+    # the explanation: the same rollout, with the tensors the fingerprints summarize
+    rollout = request_rollout(
+        server, **{**rollout_overrides, "rollout_debug_mode": True}
+    )
+    expected = trainer_model_outputs(trainer, rollout, cfg_scale, device=device)
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     if per_step is not None:
         per_step.extend((d.max().item(), d.mean().item()) for d in diff)
@@ -500,13 +514,17 @@ def _run_mode(
             )
             _log(
                 f"[{numerics}] update {update}: adapter pushed as {dtype}, {args.steps}-step "
-                f"rollout recomputed ({time.monotonic() - t0:.1f} s): "
-                f"model_output_max_abs_diff={max_diff!r} "
-                f"model_output_mean_abs_diff={mean_diff!r} "
-                f"policy_checksum={'equal' if same_policy else 'differs'} "
-                f"fingerprints={'equal' if verdict.ok else 'differ'}"
+                f"rollout checked ({time.monotonic() - t0:.1f} s): "
+                f"fingerprints={'equal' if verdict.ok else 'differ'} "
+                f"policy_checksum={'equal' if same_policy else 'differs'}"
             )
             _log(f"[{numerics}] update {update}: fingerprints: {verdict.explain()}")
+            if max_diff is not None:
+                _log(
+                    f"[{numerics}] update {update}: the same rollout with its debug "
+                    f"tensors: model_output_max_abs_diff={max_diff!r} "
+                    f"model_output_mean_abs_diff={mean_diff!r}"
+                )
             results.append((max_diff, mean_diff, same_policy, verdict))
             step_diffs.append(steps)
     _log(f"[{numerics}] server stopped")
@@ -517,28 +535,25 @@ def _table(parity: list[UpdateResult], default: list[UpdateResult]) -> str:
     rows = [
         (
             "update",
-            "train_parity max / mean",
+            "train_parity fingerprints",
             "policy checksum",
-            "fingerprints",
-            "default max / mean",
             "default fingerprints",
+            "default max / mean (debug tensors)",
         )
     ]
-    for update, (tp_max, tp_mean, same_policy, verdict) in enumerate(parity, 1):
-        other, other_fingerprints = "skipped", "skipped"
+    for update, (_, _, same_policy, verdict) in enumerate(parity, 1):
+        other_fingerprints, other = "skipped", "skipped"
         if default:
             d_max, d_mean, _, d_verdict = default[update - 1]
-            other = f"{d_max:.3e} / {d_mean:.3e}"
             other_fingerprints = _fingerprint_cell(d_verdict)
-        checksum = "equal" if same_policy else "DIFFERS"
+            other = "-" if d_max is None else f"{d_max:.3e} / {d_mean:.3e}"
         rows.append(
             (
                 str(update),
-                f"{tp_max!r} / {tp_mean!r}",
-                checksum,
                 _fingerprint_cell(verdict),
-                other,
+                "equal" if same_policy else "DIFFERS",
                 other_fingerprints,
+                other,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -550,7 +565,7 @@ def _table(parity: list[UpdateResult], default: list[UpdateResult]) -> str:
 
 def _fingerprint_cell(verdict: Verdict) -> str:
     if verdict.ok:
-        return f"equal on {len(verdict.steps)} steps"
+        return f"bitwise equal on {len(verdict.steps)} steps"
     bad = sum(not step.equal for step in verdict.steps)
     return f"differ on {bad} of {len(verdict.steps)} steps"
 
@@ -563,11 +578,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "diffusion server on a tiny local Qwen-Image model (on the CPU, or the GPU with "
             "--device cuda), push a new random LoRA adapter per update through "
             "/update_weights_from_tensor (fp32 masters or their bf16 copies), request a "
-            "true-CFG rollout through /rollout/generate, and recompute every step as the "
+            "true-CFG rollout through /rollout/generate, recompute every step as the "
             "trainer does (diffusers + PEFT under CUDA's autocast policy: emulated on the CPU, "
-            "real torch.autocast on the GPU). Then the same with --numerics default. Exit "
-            "status 0 only if train_parity is bitwise equal (difference 0.0) on every update "
-            "and default is not."
+            "real torch.autocast on the GPU) and check the rollout's per-step fingerprints "
+            "against it. Then the same with --numerics default. Exit status 0 only if "
+            "train_parity is bitwise equal on every step of every update and default is not."
         ),
     )
     parser.add_argument(
@@ -805,21 +820,18 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
             default_error = f"{type(exc).__name__}: {exc}"
             _log(f"[default] FAILED: {default_error}")
     _log("\n" + _table(parity, default) + "\n")
-    parity_exact = all(
-        (max_diff, mean_diff, same) == (0.0, 0.0, True) and verdict.ok
-        for max_diff, mean_diff, same, verdict in parity
-    )
-    # and the fingerprints alone catch it
+    parity_exact = all(same and verdict.ok for _, _, same, verdict in parity)
+    # caught by the fingerprints alone; the debug tensors show by how much
     default_differs = all(
-        max_diff > 0.0 and not verdict.ok for max_diff, _, _, verdict in default
+        not verdict.ok and max_diff > 0.0 for max_diff, _, _, verdict in default
     )
     _log(
         "train_parity: "
         + (
-            "bitwise equal to the trainer's recompute on every update (fingerprints "
-            "equal on every step), serving the trainer's policy checksum"
+            "bitwise equal to the trainer's recompute on every step of every update "
+            "(fingerprints equal), serving the trainer's policy checksum"
             if parity_exact
-            else "DIFFERS from the trainer's recompute, fingerprints or policy checksum"
+            else "DIFFERS from the trainer's recompute or policy checksum"
         )
     )
     if default_error is not None:
@@ -828,8 +840,8 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
         _log(
             "default: "
             + (
-                "differs from the trainer's recompute, as expected, and its "
-                "fingerprints alone catch it"
+                "its fingerprints differ from the trainer's recompute, as expected "
+                "(the debug tensors show by how much)"
                 if default_differs
                 else "UNEXPECTEDLY equal to the trainer's recompute"
             )
