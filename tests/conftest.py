@@ -9,7 +9,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from sglang_train_parity import rollout_demo as demo
 
 from forktools.upstream import load_pin, obtain_wheel
 from forktools.wheelbuild import build_wheel
@@ -70,40 +69,3 @@ def pytest_unconfigure(config):
     process = config.stash.get(upstream_suite_run, None)
     if process is not None and process.poll() is None:
         process.kill()
-
-
-# One `--numerics train_parity` server on CPU, shared by the tests that send it bad input
-# (test_bad_input.py, test_served_policy.py).
-RANK, ALPHA = demo.LORA_RANK, demo.LORA_ALPHA
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    from sglang_train_parity.tiny_model import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
-
-
-@pytest.fixture(scope="session")
-def adapters(model_dir):
-    """The served adapter, and another one the malformed updates are made from (so that
-    a partially applied update would change the checksum)."""
-    return demo.random_adapters(model_dir, 2, RANK, ALPHA)
-
-
-@pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
-    with demo.serve(
-        model_dir, "train_parity", tmp_path_factory.mktemp("logs")
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def served(server, model_dir, adapters):
-    """The server with the first adapter pushed, and the trainer's model for it."""
-    from sglang_train_parity.reference import build_reference
-
-    response = demo.push_lora(server, adapters[0])
-    assert response.json()["success"], response.text
-    return build_reference(model_dir / "transformer", adapters[0], RANK, ALPHA)

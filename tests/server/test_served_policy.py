@@ -20,7 +20,7 @@ import requests
 import torch
 from sglang_train_parity import rollout_demo as demo
 
-from tests.test_bad_input import assert_serves_with_parity
+from tests.server.test_bad_input import assert_serves_with_parity
 
 pytestmark = pytest.mark.slow
 

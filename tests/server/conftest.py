@@ -1,0 +1,41 @@
+"""One `--numerics train_parity` server on CPU for the tests of this package, started once and
+stopped when the package's tests are done (an idle CPU server's scheduler keeps a core busy)."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_train_parity import rollout_demo as demo
+
+RANK, ALPHA = demo.LORA_RANK, demo.LORA_ALPHA
+
+
+@pytest.fixture(scope="package")
+def model_dir(tmp_path_factory):
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+
+
+@pytest.fixture(scope="package")
+def adapters(model_dir):
+    """The served adapter, and another one the malformed updates are made from (so that
+    a partially applied update would change the checksum)."""
+    return demo.random_adapters(model_dir, 2, RANK, ALPHA)
+
+
+@pytest.fixture(scope="package")
+def server(model_dir, tmp_path_factory):
+    with demo.serve(
+        model_dir, "train_parity", tmp_path_factory.mktemp("logs")
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def served(server, model_dir, adapters):
+    """The server with the first adapter pushed, and the trainer's model for it."""
+    from sglang_train_parity.reference import build_reference
+
+    response = demo.push_lora(server, adapters[0])
+    assert response.json()["success"], response.text
+    return build_reference(model_dir / "transformer", adapters[0], RANK, ALPHA)
