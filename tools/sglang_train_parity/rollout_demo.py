@@ -466,19 +466,17 @@ def _run_mode(
     args: argparse.Namespace,
     adapters: list[dict[str, torch.Tensor]],
     log_dir: Path,
-) -> list[tuple[float, float, bool]]:
-    device = getattr(args, "device", "cpu")
+) -> list[UpdateResult]:
+    device = args.device
     _log(
         f"[{numerics}] starting sglang serve --numerics {numerics} on {device.upper()} ..."
     )
     started = time.monotonic()
     results = []
-    step_diffs = (
-        args.step_diffs.setdefault(numerics, []) if hasattr(args, "step_diffs") else []
-    )
-    extra_args = list(getattr(args, "server_arg", None) or [])
+    step_diffs = args.step_diffs.setdefault(numerics, [])
+    extra_args = list(args.server_arg or [])
     if numerics == "default":
-        extra_args += getattr(args, "default_server_arg", None) or []
+        extra_args += args.default_server_arg or []
     if extra_args:
         _log(f"[{numerics}] extra server arguments: {' '.join(extra_args)}")
     with serve(
@@ -487,7 +485,7 @@ def _run_mode(
         log_dir,
         port=args.port,
         device=device,
-        site_dir=getattr(args, "server_site", None),
+        site_dir=args.server_site,
         extra_args=extra_args,
     ) as server:
         _log(
