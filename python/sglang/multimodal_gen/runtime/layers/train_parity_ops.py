@@ -56,23 +56,63 @@ def layer_norm_scale_shift(
     ``x * (1 + scale) + shift``: ``1 + scale`` in the modulation's dtype, the
     product and the sum in fp32. Rounded once to ``x``'s dtype, which is what
     autocast does where the training forward feeds the result to a Linear."""
-    normed = F.layer_norm(
+    normed = _layer_norm_fp32(x, eps, weight, bias)
+    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
+    return modulated.to(x.dtype)
+
+
+def _layer_norm_fp32(
+    x: torch.Tensor,
+    eps: float,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    return F.layer_norm(
         x.float(),
         x.shape[-1:],
         None if weight is None else weight.float(),
         None if bias is None else bias.float(),
         eps,
     )
-    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
-    return modulated.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    eps: float,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """diffusers ``FP32LayerNorm``: fp32 statistics and affine, rounded once to
+    ``x``'s dtype."""
+    return _layer_norm_fp32(x, eps, weight, bias).to(x.dtype)
 
 
 def gated_residual(
     residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor
 ) -> torch.Tensor:
-    """diffusers' ``residual + gate * x``: the product and the sum each rounded
-    in the activation dtype."""
-    return residual + as_modulation(gate) * x
+    """diffusers' ``residual + gate * x``, stored in the residual's dtype. The
+    gate's dtype picks the variant: a bf16 gate (Qwen-Image) rounds the
+    product and the sum each in bf16; Wan's fp32 gate computes both in fp32
+    and rounds once (its ``(residual.float() + x * gate).type_as(residual)``)."""
+    return (residual + as_modulation(gate) * x).to(residual.dtype)
+
+
+# CUDA autocast runs rms_norm in fp32 from torch 2.12 on (pytorch#174824);
+# torch 2.11 leaves it in the input dtype.
+AUTOCAST_RMS_NORM_IN_FP32 = torch.torch_version.TorchVersion(
+    torch.__version__
+) >= (2, 12)
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``torch.nn.RMSNorm`` (Wan's Q/K norms) under CUDA autocast: torch's own
+    kernel, which does not round before the weight multiply (unlike
+    ``rms_norm``); in fp32, with an fp32 result, where autocast runs it so."""
+    if AUTOCAST_RMS_NORM_IN_FP32:
+        x, weight = x.float(), weight.float()
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -80,6 +120,20 @@ def rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     ``x`` [B, S, H, D] as complex64 times the complex table ``freqs``
     [S, D / 2], rounded back to ``x``'s dtype."""
     return _apply_rotary_emb_complex(x, freqs.unsqueeze(1))
+
+
+def rotary_emb_real(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """diffusers Wan's RoPE: interleaved pairs of ``x`` [B, S, H, D] rotated
+    with the real fp32 tables ``cos``/``sin`` [S, D / 2], each product and sum
+    in fp32, stored in ``x``'s dtype."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out
 
 
 def joint_attention(

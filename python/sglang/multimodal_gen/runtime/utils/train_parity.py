@@ -173,10 +173,25 @@ def require_contract(args: ServerArgs) -> TrainParityContract:
     """The served model's contract; a model without one is refused."""
     contract = train_parity_contract(args.pipeline_config)
     if contract is None:
+        config_cls = type(args.pipeline_config)
+        covered_parent = next(
+            (
+                parent
+                for parent in config_cls.__mro__[1:]
+                if train_parity_contract(parent) is not None
+            ),
+            None,
+        )
+        why = "its DiT family declares no train_parity forward"
+        if covered_parent is not None:
+            why = (
+                f"train_parity covers {train_parity_contract(covered_parent).family} "
+                f"({covered_parent.__name__}), not this variant, whose pipeline "
+                "computes something else"
+            )
         raise TrainParityError(
-            f"the model {args.model_path} "
-            f"(pipeline {type(args.pipeline_config).__name__})",
-            "its DiT family declares no train_parity forward",
+            f"the model {args.model_path} (pipeline {config_cls.__name__})",
+            why,
             f"serve a supported family: {supported_families()}",
         )
     return contract
