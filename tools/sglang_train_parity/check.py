@@ -301,10 +301,12 @@ def validate(args, parser) -> None:
                 "(no transformer/config.json)"
             )
         transformer_class = json.loads(config.read_text()).get("_class_name")
-        if family_of(transformer_class) is None:
+        family = family_of(transformer_class)
+        if family is None or not family.checkable:
+            checkable = [f.diffusers_class for f in FAMILIES if f.checkable]
             parser.error(
-                f"--model-path: transformer class {transformer_class!r} is no train_parity "
-                f"family's; supported: {', '.join(f.diffusers_class for f in FAMILIES)}"
+                f"--model-path: transformer class {transformer_class!r} is no family this "
+                f"check runs; it runs: {', '.join(checkable)}"
             )
     if args.max_rows < 0:
         parser.error("--max-rows must be >= 0")

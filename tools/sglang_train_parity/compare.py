@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from sglang_train_parity.reference import Pairing, sglang_to_diffusers
+from sglang_train_parity.reference import ModulePair, Pairing, sglang_to_diffusers
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -18,13 +20,16 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def compare_modules(
-    sgl: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], lora: bool
+    sgl: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    lora: bool,
+    pair_of: Callable[..., ModulePair] = sglang_to_diffusers,
 ) -> list[dict]:
     """One record per paired module, in sglang's execution order: dtype, shape, bitwise equal,
-    max |diff| and max ULP distance (bf16)."""
+    max |diff| and max ULP distance (bf16). `pair_of` is the family's module pairing."""
     records = []
     for name, ours in sgl.items():
-        pair = sglang_to_diffusers(name, lora=lora)
+        pair = pair_of(name, lora=lora)
         theirs = ref.get(pair.diffusers) if pair.diffusers is not None else None
         if theirs is None or pair.pairing in (Pairing.DIFFERENT, Pairing.SGLANG_ONLY):
             continue

@@ -1,20 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tools need of each DiT family with a train_parity contract, in one record per
-family: the contract itself (declared by the family's pipeline config in sglang), the
-diffusers class of the trainer's model, the trainer's LoRA targets, how sglang's modules pair
-with diffusers', and the tiny model the tools build to check on. A family the server accepts
-and the tools do not know is a test failure (tests/test_families.py)."""
+trainer model class: the pipeline configs whose contracts the server accepts (declared in
+sglang), the diffusers class of the trainer's model, the trainer's LoRA targets and how sglang's
+modules pair with diffusers'. A family the server accepts and the tools do not know is a test
+failure (tests/test_families.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from sglang_train_parity import reference, tiny_model
+from sglang_train_parity import reference, wan
 
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
+)
+from sglang.multimodal_gen.configs.pipeline_configs.wan import (
+    Wan2_2_T2V_A14B_Config,
+    Wan2_2_TI2V_5B_Config,
+    WanT2V480PConfig,
+    WanT2V720PConfig,
 )
 from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityContract,
@@ -24,24 +28,40 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
 
 @dataclass(frozen=True)
 class Family:
-    pipeline_config: type
+    name: str
+    pipeline_configs: tuple[type, ...]
     diffusers_class: str
     lora_targets: tuple[str, ...]
     pairing: dict[str, reference.ModulePair]
-    build_tiny: Callable[[Path], Path]
+    # the parity check tool (check.py) runs this family
+    checkable: bool
 
     @property
-    def contract(self) -> TrainParityContract:
-        return train_parity_contract(self.pipeline_config())
+    def contracts(self) -> tuple[TrainParityContract, ...]:
+        return tuple(train_parity_contract(c) for c in self.pipeline_configs)
 
 
 FAMILIES = (
     Family(
-        pipeline_config=QwenImagePipelineConfig,
+        name="Qwen-Image",
+        pipeline_configs=(QwenImagePipelineConfig,),
         diffusers_class="QwenImageTransformer2DModel",
         lora_targets=reference.LORA_TARGETS,
         pairing=reference.SGLANG_TO_DIFFUSERS,
-        build_tiny=tiny_model.build_tiny_qwen_image,
+        checkable=True,
+    ),
+    Family(
+        name="Wan (text-to-video)",
+        pipeline_configs=(
+            WanT2V480PConfig,
+            WanT2V720PConfig,
+            Wan2_2_T2V_A14B_Config,
+            Wan2_2_TI2V_5B_Config,
+        ),
+        diffusers_class="WanTransformer3DModel",
+        lora_targets=wan.LORA_TARGETS,
+        pairing=wan.SGLANG_TO_DIFFUSERS,
+        checkable=False,
     ),
 )
 

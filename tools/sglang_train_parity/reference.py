@@ -52,13 +52,17 @@ ATTENTION_BACKEND = {"cuda": "_native_flash", "cpu": "native"}
 _LORA_DELTA_GAIN = 0.1
 
 
-def is_lora_target(name: str) -> bool:
-    """True for a diffusers module name that PEFT wraps given `LORA_TARGETS`."""
-    return any(name == t or name.endswith("." + t) for t in LORA_TARGETS)
+def is_lora_target(name: str, targets: tuple[str, ...] = LORA_TARGETS) -> bool:
+    """True for a diffusers module name that PEFT wraps given `targets`."""
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 def random_lora_state(
-    model: nn.Module, rank: int, alpha: float, seed: int
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    seed: int,
+    targets: tuple[str, ...] = LORA_TARGETS,
 ) -> dict[str, torch.Tensor]:
     """fp32 master LoRA weights for every target Linear of `model`, keyed as PEFT's
     `get_peft_model_state_dict` names them (`transformer_blocks.0.attn.to_q.lora_A.weight`).
@@ -70,7 +74,7 @@ def random_lora_state(
     scaling = alpha / rank
     state = {}
     for name, module in model.named_modules():
-        if not (is_lora_target(name) and isinstance(module, nn.Linear)):
+        if not (is_lora_target(name, targets) and isinstance(module, nn.Linear)):
             continue
         a = torch.randn(rank, module.in_features, generator=generator)
         b = torch.randn(module.out_features, rank, generator=generator)
@@ -92,7 +96,6 @@ def build_reference(
     given, then every parameter rounded to bf16, moved to `device`; with `rope_tables="device"` the
     RoPE tables are rebuilt there (else they stay diffusers' CPU-built ones)."""
     from diffusers import QwenImageTransformer2DModel
-    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
     if not isinstance(model, nn.Module):
         model = QwenImageTransformer2DModel.from_pretrained(
@@ -100,27 +103,40 @@ def build_reference(
         )
     model = model.float()
     if lora_state is not None:
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,
-            target_modules=list(LORA_TARGETS),
-            lora_dropout=0.0,
-            init_lora_weights="gaussian",  # miles' choice; overwritten by lora_state
-        )
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-        result = set_peft_model_state_dict(model, lora_state, adapter_name=ADAPTER)
-        lora_params = [n for n, _ in model.named_parameters() if ".lora_" in n]
-        if result.unexpected_keys or len(lora_params) != len(lora_state):
-            raise ValueError(
-                f"LoRA state does not fit the model: {len(lora_state)} tensors for "
-                f"{len(lora_params)} LoRA parameters, unexpected {result.unexpected_keys[:4]}"
-            )
+        inject_lora(model, lora_state, rank, alpha, LORA_TARGETS)
     model = model.to(device=device, dtype=torch.bfloat16).eval()
     if rope_tables == "device":
         _rebuild_rope_tables(model.pos_embed, torch.device(device))
     elif rope_tables != "cpu":
         raise ValueError(f"rope_tables must be 'cpu' or 'device', got {rope_tables!r}")
     return model
+
+
+def inject_lora(
+    model: nn.Module,
+    lora_state: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    targets: tuple[str, ...],
+) -> None:
+    """PEFT LoRA on `targets` of `model`, loaded from the fp32 `lora_state` (all of it)."""
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        init_lora_weights="gaussian",  # miles' choice; overwritten by lora_state
+    )
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    result = set_peft_model_state_dict(model, lora_state, adapter_name=ADAPTER)
+    lora_params = [n for n, _ in model.named_parameters() if ".lora_" in n]
+    if result.unexpected_keys or len(lora_params) != len(lora_state):
+        raise ValueError(
+            f"LoRA state does not fit the model: {len(lora_state)} tensors for "
+            f"{len(lora_params)} LoRA parameters, unexpected {result.unexpected_keys[:4]}"
+        )
 
 
 def _rebuild_rope_tables(rope: nn.Module, device: torch.device) -> None:
@@ -180,9 +196,29 @@ def reference_forward(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run the trainer's forward; return the model output ([B, S_img, 64] bf16) and every module's
     output by diffusers module name (first tensor of tuple outputs; the root is "")."""
+    model.set_attention_backend(ATTENTION_BACKEND[device_type])
+    # The trainer divides by 1000 in fp32 before the model; the model rounds it to bf16 itself.
+    timestep = inputs.timestep.to(device_type, torch.float32) / 1000.0
+    return recorded_forward(
+        model,
+        device_type,
+        hidden_states=inputs.latents.to(device_type),
+        encoder_hidden_states=inputs.text.to(device_type),
+        encoder_hidden_states_mask=None,
+        timestep=timestep,
+        img_shapes=inputs.img_shapes,
+        attention_kwargs=None,
+        return_dict=False,
+    )
+
+
+def recorded_forward(
+    model: nn.Module, device_type: str, **call_kwargs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`model(**call_kwargs)` under CUDA autocast's policy (emulated off CUDA): its output (a
+    1-tuple unpacked) and every module's first output tensor by name (the root is "")."""
     from sglang_train_parity.autocast_emulation import cuda_autocast
 
-    model.set_attention_backend(ATTENTION_BACKEND[device_type])
     outputs: dict[str, torch.Tensor] = {}
 
     def record(name: str):
@@ -194,20 +230,10 @@ def reference_forward(
         return hook
 
     handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
-    # The trainer divides by 1000 in fp32 before the model; the model rounds it to bf16 itself.
-    timestep = inputs.timestep.to(device_type, torch.float32) / 1000.0
     try:
         # no_grad only saves memory: the trainer's forward under grad runs the same kernels.
         with torch.no_grad(), cuda_autocast(device_type):
-            (output,) = model(
-                hidden_states=inputs.latents.to(device_type),
-                encoder_hidden_states=inputs.text.to(device_type),
-                encoder_hidden_states_mask=None,
-                timestep=timestep,
-                img_shapes=inputs.img_shapes,
-                attention_kwargs=None,
-                return_dict=False,
-            )
+            (output,) = model(**call_kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -363,25 +389,37 @@ SGLANG_TO_DIFFUSERS: dict[str, ModulePair] = {
     ),
     "proj_out": ModulePair("proj_out", _S),
 }
-_BLOCK_INDEX = re.compile(r"^transformer_blocks\.(\d+)")
-
-
 def sglang_to_diffusers(name: str, lora: bool = True) -> ModulePair:
-    """The diffusers counterpart of the sglang module `name` (KeyError for a module the table does
-    not know). sglang's `*WithLoRA` wrappers keep the wrapped layer as `.base_layer`, as PEFT does:
-    a wrapper pairs with the PEFT layer, its `base_layer` with PEFT's `base_layer` when `lora` (the
-    reference carries adapters) and the module is a LoRA target, otherwise with the plain Linear
-    (sglang wraps every Linear, PEFT only the targets)."""
+    """The diffusers counterpart of the sglang Qwen-Image module `name`: `paired_name`."""
+    return paired_name(
+        name, lora, SGLANG_TO_DIFFUSERS, "transformer_blocks", LORA_TARGETS
+    )
+
+
+def paired_name(
+    name: str,
+    lora: bool,
+    table: dict[str, ModulePair],
+    blocks: str,
+    targets: tuple[str, ...],
+) -> ModulePair:
+    """The diffusers counterpart of the sglang module `name` in a family's `table` (KeyError for a
+    module the table does not know); "*" in it stands for the index in the `blocks` container.
+    sglang's `*WithLoRA` wrappers keep the wrapped layer as
+    `.base_layer`, as PEFT does: a wrapper pairs with the PEFT layer, its `base_layer` with PEFT's
+    `base_layer` when `lora` (the reference carries adapters) and the module is a LoRA target,
+    otherwise with the plain Linear (sglang wraps every Linear, PEFT only the targets)."""
     is_base = name.endswith(".base_layer")
     stripped = name.replace(".base_layer", "")
-    match = _BLOCK_INDEX.match(stripped)
-    key = _BLOCK_INDEX.sub("transformer_blocks.*", stripped)
-    pair = SGLANG_TO_DIFFUSERS[key]
+    block_index = re.compile(rf"^{re.escape(blocks)}\.(\d+)")
+    match = block_index.match(stripped)
+    key = block_index.sub(f"{blocks}.*", stripped)
+    pair = table[key]
     if pair.diffusers is None:
         return pair
     diffusers = pair.diffusers
     if match:
         diffusers = diffusers.replace("*", match.group(1), 1)
-    if is_base and lora and is_lora_target(diffusers):
+    if is_base and lora and is_lora_target(diffusers, targets):
         diffusers += ".base_layer"
     return pair._replace(diffusers=diffusers)

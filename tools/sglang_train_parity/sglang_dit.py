@@ -38,8 +38,14 @@ def init_single_process(device: str = "cpu") -> None:
     maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
 
 
-def load_dit(model_dir: Path, **server_kwargs) -> nn.Module:
-    """The DiT of the diffusers-layout `model_dir`, built for `server_kwargs` (e.g. numerics)."""
+def load_dit(
+    model_dir: Path,
+    model_id: str = "Qwen-Image",
+    component: str = "transformer",
+    **server_kwargs,
+) -> nn.Module:
+    """The DiT `component` of the diffusers-layout `model_dir`, served as `model_id`, built for
+    `server_kwargs` (e.g. numerics)."""
     from sglang.multimodal_gen.runtime.loader.component_loaders.component_loader import (
         PipelineComponentLoader,
     )
@@ -52,13 +58,13 @@ def load_dit(model_dir: Path, **server_kwargs) -> nn.Module:
     )
 
     server_args = ServerArgs.from_kwargs(
-        model_path=str(model_dir), model_id="Qwen-Image", num_gpus=1, **server_kwargs
+        model_path=str(model_dir), model_id=model_id, num_gpus=1, **server_kwargs
     )
     set_global_server_args(server_args)
     init_single_process()
     loaded = PipelineComponentLoader.load_component(
-        component_name="transformer",
-        component_model_path=str(Path(model_dir) / "transformer"),
+        component_name=component,
+        component_model_path=str(Path(model_dir) / component),
         transformers_or_diffusers="diffusers",
         server_args=server_args,
         loader_cls=TransformerLoader,  # no silent fallback to the diffusers model
@@ -90,10 +96,23 @@ def push_lora(
     alpha: int,
     merge: bool = False,
 ) -> None:
-    """The weight updater's per-layer step for PEFT-named A/B pairs (fp32 masters or bf16)."""
+    """The weight updater's per-layer step for PEFT-named A/B pairs (fp32 masters or bf16), each
+    addressed as the updater resolves a trainer's module name (the model's name mappings)."""
+    from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
+    from sglang.multimodal_gen.runtime.post_training.weights_updater import (
+        _resolve_lora_ipc_layer_dict_key,
+    )
+
+    lora_layers = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, BaseLayerWithLoRA)
+    }
     for key in sorted(k for k in state if k.endswith(".lora_A.weight")):
         prefix = key.removesuffix(".lora_A.weight")
-        layer = model.get_submodule(prefix)
+        layer, _, _ = _resolve_lora_ipc_layer_dict_key(prefix, lora_layers, model)
+        if layer is None:
+            raise KeyError(f"no LoRA layer of the model takes {prefix}")
         layer.lora_rank, layer.lora_alpha = rank, alpha
         layer.set_lora_weights(
             state[key],

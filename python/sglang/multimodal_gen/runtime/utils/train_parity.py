@@ -39,6 +39,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from sglang.multimodal_gen import envs
@@ -233,6 +234,16 @@ def refuse_forward(op: nn.Module, *args: Any, **kwargs: Any) -> None:
         "it has no forward_train_parity",
         "give it one, or compute its output in the model's train_parity forward",
     )
+
+
+def hold_parameters_in_bf16(dit: nn.Module) -> None:
+    """The training forward uses every parameter as the bf16 rounding of its fp32
+    master (FSDP2's param_dtype). Parameters a DiT keeps in fp32 for its default
+    path (e.g. Wan's cross-attention norm) are rounded once here; weight updates
+    copy into the parameter's dtype, so they round the same way."""
+    for param in dit.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(torch.bfloat16)
 
 
 def check_dit_ops(contract: TrainParityContract, dit: nn.Module) -> None:
