@@ -99,18 +99,21 @@ class Comparator:
     paired diffusers module output of one or more reference runs; keeps statistics only.
     """
 
-    def __init__(self, refs: dict, lora: bool):
+    def __init__(self, refs: dict, lora: bool, pair_of=None):
+        from sglang_train_parity.reference import sglang_to_diffusers
+
         self.refs = refs
         self.lora = lora
+        self.pair_of = pair_of or sglang_to_diffusers  # the family's module pairing
         self.rows = {key: [] for key in refs}
         self.seen: set[str] = set()
 
     def compare_one(self, name: str, out, key: str):
         import torch
         from sglang_train_parity.compare import ulp_distance
-        from sglang_train_parity.reference import Pairing, sglang_to_diffusers
+        from sglang_train_parity.reference import Pairing
 
-        pair = sglang_to_diffusers(name, lora=self.lora) if name else None
+        pair = self.pair_of(name, lora=self.lora) if name else None
         if pair is not None and pair.pairing in (
             Pairing.DIFFERENT,
             Pairing.SGLANG_ONLY,

@@ -17,15 +17,15 @@ from sglang_train_parity import wan
 from tests.conftest import run
 
 REPO = Path(__file__).resolve().parent.parent
-A14B = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
-TI2V = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+A14B = "Wan2.2-T2V-A14B-Diffusers"
+TI2V = "Wan2.2-TI2V-5B-Diffusers"
 
 
 @pytest.fixture(scope="module")
 def tiny_dits(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan")
     return {
-        model_id: wan.build_tiny_dits(root / model_id.split("/")[1], model_id)
+        model_id: wan.build_tiny_dits(root / model_id, model_id)
         for model_id in (A14B, TI2V)
     }
 

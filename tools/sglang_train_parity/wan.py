@@ -298,11 +298,11 @@ def sglang_to_diffusers(name: str, lora: bool = True) -> ModulePair:
     return paired_name(name, lora, SGLANG_TO_DIFFUSERS, "blocks", LORA_TARGETS)
 
 
-# sglang model id -> (DiT config, experts, the pipeline's own model_index.json entries)
+# sglang model id (a registered short name) -> (DiT config, experts, the pipeline's own model_index.json entries)
 TINY_VARIANTS = {
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": (TINY_CONFIG, EXPERTS[:1], {}),
-    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": (TINY_CONFIG, EXPERTS, {"boundary_ratio": 0.875}),
-    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": (
+    "Wan2.1-T2V-1.3B-Diffusers": (TINY_CONFIG, EXPERTS[:1], {}),
+    "Wan2.2-T2V-A14B-Diffusers": (TINY_CONFIG, EXPERTS, {"boundary_ratio": 0.875}),
+    "Wan2.2-TI2V-5B-Diffusers": (
         TINY_TI2V_CONFIG,
         EXPERTS[:1],
         {"expand_timesteps": True},
