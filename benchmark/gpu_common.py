@@ -58,17 +58,16 @@ MODEL_INDEX = {
 DEFAULT_REQUEST_QUALITY = "lossless"
 
 
-def setup(device: str, jit: str = "off", standin_roots: tuple[str, ...] = ()) -> None:
+def setup(device: str, jit: str = "off") -> None:
     """Process setup; call before importing sglang.
 
-    device "cuda": stand-ins for the two packages the H200 image lacks (calls fail loudly), and for
-    `standin_roots` (gpu_standins.install).
+    device "cuda": stand-ins for the two packages the H200 image lacks (calls fail loudly).
     device "cpu": the three CPU sgl_kernel ops upstream's default CPU norm path calls, as the CPU tests
     register them (sglang_train_parity.cpu_kernels), and torch.compile off (as the CPU tests run).
     jit "off": sglang's nvcc-at-first-use JIT kernels are not built (SGLANG_CRASH_ON_JIT_COMPILE=1:
     a load raises, upstream's can_use_* predicates then pick their unfused branch).
     """
-    gpu_standins.install(*standin_roots)
+    gpu_standins.install()
     if jit == "off":
         os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] = "1"
     if device == "cpu":

@@ -139,8 +139,7 @@ def main() -> int:
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     device = "cpu" if args.tiny else "cuda"
-    # wanvideo imports CuTe-DSL kernels at module level on CUDA; train_parity never calls them
-    gpu_common.setup(device, standin_roots=("cutlass", "flashinfer", "cuda"))
+    gpu_common.setup(device)
 
     import torch
     from diffusers import WanTransformer3DModel

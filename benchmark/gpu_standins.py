@@ -12,13 +12,6 @@ gives further stand-ins (so import-time reads work), and *calling* one raises
 `RuntimeError("stand-in <name> called ...")` after counting the call. A parity result can therefore
 never come from a fake kernel: a call fails loudly, and `calls()` says which stand-ins were called.
 Nothing else is registered: no other module, no torch op, no fake CUDA.
-
-Wan's DiT module imports CuTe-DSL kernels at module level on CUDA (`nvidia-cutlass-dsl`'s `cutlass`,
-`cuda.bindings`, `flashinfer.norm.utils`), which decorate their kernels at import time.
-`install("cutlass", "flashinfer", "cuda")` stands in for those roots too; a stand-in called with one
-function or class (a decorator applied at import) returns a stand-in for the decorated object,
-which raises when called like any other. Opt-in: code that takes a fallback when `flashinfer`
-fails to import would otherwise see a stand-in instead.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import importlib.machinery
 import sys
 import types
 
-ROOTS = {"sgl_kernel"}
+ROOTS = ("sgl_kernel",)
 
 _calls: collections.Counter = collections.Counter()
 _modules_created: list[str] = []
@@ -56,9 +49,6 @@ class StandIn:
         return StandIn(f"{self._qualname}.{name}")
 
     def __call__(self, *args, **kwargs):
-        if len(args) == 1 and not kwargs and isinstance(args[0], (types.FunctionType, type)):
-            # a decorator applied at import time: the decorated object is a stand-in too
-            return StandIn(f"{self._qualname}({args[0].__qualname__})")
         _calls[self._qualname] += 1
         for listener in _call_listeners:
             listener(self._qualname)
@@ -100,10 +90,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 _FINDER = _Finder()
 
 
-def install(*extra_roots: str) -> None:
-    """Append the finder to sys.meta_path (idempotent), standing in for `sgl_kernel` and
-    `extra_roots`. Real packages, found by earlier finders, take precedence."""
-    ROOTS.update(extra_roots)
+def install() -> None:
+    """Append the finder to sys.meta_path (idempotent). Real packages, found by earlier finders,
+    take precedence."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
 
