@@ -126,37 +126,43 @@ def write_model_dir(root: Path, config: dict, seed: int, device: str) -> Path:
     return root
 
 
-def write_config_only_model_dir(root: Path, config: dict) -> Path:
-    """A model folder whose transformer has the config and one tiny safetensors file, for loading
-    through the real loader with generated weights (`random_weights_iterator`)."""
+def write_config_only_model_dir(
+    root: Path,
+    config: dict,
+    model_cls: str = "QwenImageTransformer2DModel",
+    model_index: dict = MODEL_INDEX,
+) -> Path:
+    """A model folder whose transformer (diffusers' `model_cls`) has the config and one tiny
+    safetensors file, for loading through the real loader with generated weights
+    (`random_weights_iterator`)."""
+    import diffusers
     import torch
-    from diffusers import QwenImageTransformer2DModel
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**config)
+        model = getattr(diffusers, model_cls)(**config)
     model.save_config(root / "transformer")
     save_file(
         {"proj_out.bias": torch.zeros(model.proj_out.bias.shape, dtype=torch.bfloat16)},
         str(root / "transformer" / "diffusion_pytorch_model.safetensors"),
     )
-    (root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=1))
+    (root / "model_index.json").write_text(json.dumps(model_index, indent=1))
     for component in ("scheduler", "vae", "text_encoder", "tokenizer"):
         (root / component).mkdir(exist_ok=True)
     return root
 
 
 def random_weights_iterator(
-    config: dict, seed: int, device
+    config: dict, seed: int, device, model_cls: str = "QwenImageTransformer2DModel"
 ) -> Iterator[tuple[str, Any]]:
-    """(diffusers name, bf16 tensor) for every parameter of the diffusers model `config`
+    """(diffusers name, bf16 tensor) for every parameter of diffusers' `model_cls` that `config`
     describes, generated on `device` one at a time, at `randomize_`'s scales."""
+    import diffusers
     import torch
-    from diffusers import QwenImageTransformer2DModel
 
     with torch.device("meta"):
-        reference = QwenImageTransformer2DModel(**config)
+        reference = getattr(diffusers, model_cls)(**config)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in reference.named_parameters():
         t = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
@@ -170,7 +176,9 @@ def random_weights_iterator(
 
 
 @contextlib.contextmanager
-def generated_weights(config: dict, seed: int, device):
+def generated_weights(
+    config: dict, seed: int, device, model_cls: str = "QwenImageTransformer2DModel"
+):
     """Inside: the transformer loader reads its weights from `random_weights_iterator` instead of
     the folder's safetensors (the loader's own `weights_iterator` argument; everything else,
     construction, name mapping, post-load processing, is the loader's)."""
@@ -182,7 +190,9 @@ def generated_weights(config: dict, seed: int, device):
 
     def load_state_dict_model(self, *args, **kwargs):
         if kwargs.get("weights_iterator") is None:
-            kwargs["weights_iterator"] = random_weights_iterator(config, seed, device)
+            kwargs["weights_iterator"] = random_weights_iterator(
+                config, seed, device, model_cls
+            )
         return original(self, *args, **kwargs)
 
     TransformerLoader.load_state_dict_model = load_state_dict_model
@@ -299,7 +309,9 @@ class DefaultPathHarness:
       `forward_native` (torch.compile'd upstream where upstream compiles it) and the switch is
       logged. Any other exception propagates.
     * `try_fused_*` helpers of the Qwen DiT module: on the same condition they return None, which
-      is their documented "not supported here" answer (the caller keeps its unfused path).
+      is their documented "not supported here" answer (the caller keeps its unfused path); so do
+      the `can_use_*` predicates the Wan DiT module reads from `diffusion_kernels` (None is
+      falsy: the caller keeps its unfused path).
     * quality: the request default tier (`lossless`) is mounted as the denoising stage would.
     * JIT kernels: with jit=off the build is refused and upstream's can_use_* predicates already
       pick their unfused branch; the harness only records that the policy was on.
@@ -325,17 +337,20 @@ class DefaultPathHarness:
         )
         entry["instances"] += 1
 
-    def install(self, model, qwen_module) -> None:
+    def install(self, model, dit_module) -> None:
         from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
 
         for name, module in model.named_modules():
             if isinstance(module, CustomOp):
                 self._wrap_op(name, module)
-        for attr in dir(qwen_module):
-            if attr.startswith("try_fused") and callable(getattr(qwen_module, attr)):
+        for attr in dir(dit_module):
+            if attr.startswith("try_fused") and callable(getattr(dit_module, attr)):
                 setattr(
-                    qwen_module, attr, self._wrap_try(attr, getattr(qwen_module, attr))
+                    dit_module, attr, self._wrap_try(attr, getattr(dit_module, attr))
                 )
+        kernels = getattr(dit_module, "diffusion_kernels", None)
+        if kernels is not None:
+            dit_module.diffusion_kernels = _KernelsWithGuardedPredicates(kernels, self)
 
     def _wrap_op(self, name: str, module) -> None:
         original = module._forward_method
@@ -391,6 +406,20 @@ class DefaultPathHarness:
 
     def report(self) -> list[dict]:
         return list(self.fallbacks.values())
+
+
+class _KernelsWithGuardedPredicates:
+    """`sglang.kernels.ops.diffusion` with each `can_use_*` predicate guarded by the harness."""
+
+    def __init__(self, kernels, harness: DefaultPathHarness) -> None:
+        self._kernels, self._harness = kernels, harness
+
+    def __getattr__(self, name: str):
+        value = getattr(self._kernels, name)
+        if name.startswith("can_use_"):
+            value = self._harness._wrap_try(name, value)
+            setattr(self, name, value)
+        return value
 
 
 def mount_default_quality(model, quality: str = DEFAULT_REQUEST_QUALITY) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|all]
 #
 # demo: `sglang-train-parity demo --device cuda`, the real `sglang serve` on the GPU (train_parity,
 # then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
@@ -43,6 +43,14 @@ if [ "$what" = wan-parity ]; then
     wrc=$?
     echo "gpu_parity_wan exit $wrc"; rc=$((rc | wrc))
     grep -E "^wan|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_wan.log" | tail -30
+fi
+if [ "$what" = wan-speed ]; then
+    timeout "${WAN_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family wan --out "$OUT/speed_wan.json" \
+        --steps "${WAN_SPEED_STEPS:-3}" --warmup 1 --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" \
+        >"$OUT/speed_wan.log" 2>&1
+    src=$?
+    echo "speed (wan) exit $src"; rc=$((rc | src))
+    grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_wan.log" | tail -30
 fi
 if [ "$what" = speed ] || [ "$what" = all ]; then
     timeout "${SPEED_TIMEOUT:-320}" python3 benchmark/speed.py --out "$OUT/speed.json" \

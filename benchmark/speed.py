@@ -15,6 +15,11 @@ Per variant: median / p10 / p90 of `--steps` timed steps after `--warmup` steps 
 GPU memory, then one profiled step (torch.profiler) broken down by kernel family and by module class.
 
     python benchmark/speed.py [--device cuda|cpu] [--tiny] [--layers 60] [--steps 20] [--out PATH]
+
+`--family wan`: the same for Wan2.1-T2V-14B's DiT (40 blocks, 81 frames at 480x832 = 32760 video
+tokens, T5 text zero-padded to 512 tokens, LoRA r64 on self-/cross-attention and FFN), the default
+variant with Wan's fused q/k norm-RoPE predicate guarded by the harness. The variants share their
+weights and LoRA (same generator draws), so one CFG step's outputs are also compared bitwise.
 """
 
 from __future__ import annotations
@@ -38,6 +43,27 @@ LORA_RANK, LORA_ALPHA = 64, 128
 CFG_SCALE = 4.0
 TXT_LEN = {"cond": 211, "uncond": 77}
 TXT_LEN_TINY = {"cond": 13, "uncond": 7}
+# Wan: T5 tokens before the zero padding to 512
+WAN_TEXT_LEN = {"cond": 35, "uncond": 120}
+WAN_CLIP, WAN_CLIP_TINY = (81, 480, 832), (5, 48, 64)
+FAMILY_SPECS = {
+    "qwen-image": {
+        "model_cls": "QwenImageTransformer2DModel",
+        "targets": None,  # filled in main (sglang_train_parity.reference.LORA_TARGETS)
+        "default_layers": 60,
+    },
+    "wan": {
+        "model_cls": "WanTransformer3DModel",
+        "targets": None,  # sglang_train_parity.wan.LORA_TARGETS
+        "default_layers": 40,
+        "model_id": "Wan2.1-T2V-14B-Diffusers",
+        "model_index": {
+            "_class_name": "WanPipeline",
+            "_diffusers_version": "0.42.1",
+            "transformer": ["diffusers", "WanTransformer3DModel"],
+        },
+    },
+}
 
 # kernel name -> family (first match wins)
 KERNEL_FAMILIES = (
@@ -76,21 +102,22 @@ def family(name: str) -> str:
 
 
 def gpu_lora_state(
-    config: dict, rank: int, alpha: float, device, seed: int = 0
+    config: dict, rank: int, alpha: float, device, seed: int = 0, family: str = "qwen-image"
 ) -> dict:
     """train_parity.reference.random_lora_state's distribution, generated on the device."""
+    import diffusers
     import torch
-    from diffusers import QwenImageTransformer2DModel
     from sglang_train_parity.reference import _LORA_DELTA_GAIN, is_lora_target
     from torch import nn
 
+    spec = FAMILY_SPECS[family]
     with torch.device("meta"):
-        meta = QwenImageTransformer2DModel(**config)
+        meta = getattr(diffusers, spec["model_cls"])(**config)
     g = torch.Generator(device=device).manual_seed(seed)
     scaling = alpha / rank
     state = {}
     for name, module in meta.named_modules():
-        if is_lora_target(name) and isinstance(module, nn.Linear):
+        if is_lora_target(name, spec["targets"]) and isinstance(module, nn.Linear):
             a = torch.randn(rank, module.in_features, generator=g, device=device)
             b = torch.randn(module.out_features, rank, generator=g, device=device)
             state[f"{name}.lora_A.weight"] = a / math.sqrt(module.in_features)
@@ -255,28 +282,43 @@ def timesteps_for(n: int, device):
     return [torch.tensor([1000.0 * (1 - i / (n + 1))], device=device) for i in range(n)]
 
 
-def build_fork(numerics: str, config: dict, model_dir: Path, device: str, harness=None):
+def build_fork(
+    numerics: str,
+    config: dict,
+    model_dir: Path,
+    device: str,
+    harness=None,
+    family: str = "qwen-image",
+):
+    import importlib
+
     import torch
     from sglang_train_parity.sglang_dit import push_lora, wrap_linears_for_lora
 
+    spec = FAMILY_SPECS[family]
     kwargs = {"numerics": numerics}
+    if "model_id" in spec:
+        kwargs["model_id"] = spec["model_id"]
     if numerics == "default" and device == "cuda":
         kwargs["attention_backend"] = "torch_sdpa"
-    with gpu_common.generated_weights(config, seed=0, device=device):
+    with gpu_common.generated_weights(config, 0, device, spec["model_cls"]):
         model, _ = gpu_common.load_fork_dit(model_dir, **kwargs)
     wrap_linears_for_lora(model, numerics)
-    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device)
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family=family)
     info = {"server_args": kwargs}
     if numerics == "train_parity":
         push_lora(model, state, LORA_RANK, LORA_ALPHA, merge=False)
+    elif family == "wan":  # no fused LoRA targets in Wan's default DiT
+        bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
+        push_lora(model, bf16, LORA_RANK, LORA_ALPHA, merge=False)
     else:
         info["lora_layers_set"] = gpu_common.push_lora_any(
             model, state, LORA_RANK, LORA_ALPHA, merge=False, dtype=torch.bfloat16
         )
+    if numerics == "default":
         gpu_common.mount_default_quality(model)
-        import sglang.multimodal_gen.runtime.models.dits.qwen_image as qwen_module
-
-        harness.install(model, qwen_module)
+        dit_module = importlib.import_module(type(model).__module__)
+        harness.install(model, dit_module)
     del state
     info["dispatch"] = gpu_common.dispatch_table(model)
     return model, info
@@ -386,11 +428,111 @@ def diffusers_step_fn(model, config, grid, txt, device):
     return step
 
 
+def wan_inputs(config: dict, clip: tuple[int, int, int], device):
+    """Latents [1, C, F', H', W'] (VAE stride 4 in time, 8 in space) and per-branch T5 embeds
+    [1, 512, text_dim] bf16, zero-padded after WAN_TEXT_LEN tokens."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(7)
+    frames, height, width = clip
+    latents = torch.randn(
+        1,
+        config["in_channels"],
+        (frames - 1) // 4 + 1,
+        height // 8,
+        width // 8,
+        generator=g,
+        device=device,
+    )
+    text = {}
+    for branch, length in WAN_TEXT_LEN.items():
+        t = torch.randn(1, 512, config["text_dim"], generator=g, device=device)
+        t[:, length:] = 0
+        text[branch] = t.bfloat16()
+    return latents, text
+
+
+def wan_fork_step_fn(model, config, clip, device):
+    import torch
+
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+
+    latents, text = wan_inputs(config, clip, device)
+    latents = latents.bfloat16()
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        with torch.no_grad(), set_forward_context(
+            current_timestep=i, attn_metadata=None, forward_batch=None
+        ):
+            outs = {
+                k: model(
+                    hidden_states=latents, encoder_hidden_states=t, timestep=ts[i % 64]
+                )
+                for k, t in text.items()
+            }
+        return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
+def build_wan_diffusers(config: dict, device: str):
+    """diffusers' Wan DiT + PEFT with the fork variants' weights and LoRA (same draws), every
+    parameter bf16, the RoPE buffers fp32 as diffusers builds them."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+    from sglang_train_parity import wan
+    from sglang_train_parity.reference import inject_lora
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    gpu_common.randomize_(model, 0, device)
+    model.rope = WanRotaryPosEmbed(
+        config["attention_head_dim"], config["patch_size"], config["rope_max_seq_len"]
+    ).to(device)
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family="wan")
+    inject_lora(model, state, LORA_RANK, LORA_ALPHA, wan.LORA_TARGETS)
+    del state
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    backend = "_native_flash" if device == "cuda" else "native"
+    model.eval().set_attention_backend(backend)
+    return model, {"attention_backend": backend}
+
+
+def wan_diffusers_step_fn(model, config, clip, device):
+    import torch
+    from sglang_train_parity.autocast_emulation import cuda_autocast
+
+    latents, text = wan_inputs(config, clip, device)
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        with torch.no_grad(), cuda_autocast(device):
+            outs = {
+                k: model(
+                    hidden_states=latents,
+                    encoder_hidden_states=t,
+                    timestep=ts[i % 64],
+                    return_dict=False,
+                )[0]
+                for k, t in text.items()
+            }
+            return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--family", default="qwen-image", choices=FAMILY_SPECS)
+    parser.add_argument("--layers", type=int, help="blocks (default: the real model's)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", default="train_parity,diffusers,default")
@@ -404,29 +546,50 @@ def main() -> int:
     t_start = time.monotonic()
     gpu_common.setup(args.device, args.jit)
     import torch
+    from sglang_train_parity import reference, wan
 
-    config = dict(
-        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
-        num_layers=args.layers,
-    )
-    grid = (8, 8) if args.tiny else (64, 64)
-    txt = TXT_LEN_TINY if args.tiny else TXT_LEN
-    model_dir = gpu_common.write_config_only_model_dir(
-        args.workdir / "qwen-image-speed", config
-    )
+    FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
+    FAMILY_SPECS["wan"]["targets"] = wan.LORA_TARGETS
+    spec = FAMILY_SPECS[args.family]
+    layers = args.layers or spec["default_layers"]
+    if args.family == "wan":
+        from benchmark.gpu_parity_wan import WAN_14B
+
+        config = dict(WAN_14B, num_layers=layers)
+        if args.tiny:
+            config.update(num_attention_heads=2, attention_head_dim=24, text_dim=32, ffn_dim=96)
+        clip = WAN_CLIP_TINY if args.tiny else WAN_CLIP
+        shape = {"video": "x".join(map(str, clip)), "text_tokens": WAN_TEXT_LEN}
+        model_dir = gpu_common.write_config_only_model_dir(
+            args.workdir / "wan-speed", config, spec["model_cls"], spec["model_index"]
+        )
+    else:
+        config = dict(
+            gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
+            num_layers=layers,
+        )
+        grid = (8, 8) if args.tiny else (64, 64)
+        txt = TXT_LEN_TINY if args.tiny else TXT_LEN
+        shape = {
+            "image": f"{grid[0] * 16}x{grid[1] * 16}",
+            "image_tokens": grid[0] * grid[1],
+            "text_tokens": txt,
+        }
+        model_dir = gpu_common.write_config_only_model_dir(
+            args.workdir / "qwen-image-speed", config
+        )
     result = {
         "script": "benchmark/speed.py",
         "argv": sys.argv[1:],
+        "family": args.family,
         "config": config,
-        "image": f"{grid[0] * 16}x{grid[1] * 16}",
-        "image_tokens": grid[0] * grid[1],
-        "text_tokens": txt,
+        **shape,
         "batch": 1,
         "cfg": "two forwards per step (cond, uncond) + combine",
         "lora": {
             "rank": LORA_RANK,
             "alpha": LORA_ALPHA,
-            "targets": "all 12 per block",
+            "targets": list(spec["targets"]),
             "merged": False,
         },
         "steps_timed": args.steps,
@@ -441,6 +604,7 @@ def main() -> int:
         result["wall_s"] = round(time.monotonic() - t_start, 1)
         gpu_common.write_json(args.out, result)
 
+    step_outputs = {}
     for variant in args.variants.split(","):
         t0 = time.monotonic()
         entry: dict = {}
@@ -454,14 +618,20 @@ def main() -> int:
                     torch.cuda.memory_allocated() / 2**30, 2
                 )
                 torch.cuda.reset_peak_memory_stats()
-            if variant == "diffusers":
+            if variant == "diffusers" and args.family == "wan":
+                model, info = build_wan_diffusers(config, args.device)
+                step = wan_diffusers_step_fn(model, config, clip, args.device)
+            elif variant == "diffusers":
                 model, info = build_diffusers(config, args.device)
                 step = diffusers_step_fn(model, config, grid, txt, args.device)
             else:
                 model, info = build_fork(
-                    variant, config, model_dir, args.device, harness
+                    variant, config, model_dir, args.device, harness, args.family
                 )
-                step = fork_step_fn(model, config, grid, txt, args.device)
+                if args.family == "wan":
+                    step = wan_fork_step_fn(model, config, clip, args.device)
+                else:
+                    step = fork_step_fn(model, config, grid, txt, args.device)
             entry.update(info)
             if args.device == "cuda":
                 entry["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -488,6 +658,8 @@ def main() -> int:
                 )
             if not args.no_profile:
                 entry["profile"] = profile_step(step, model, args.device)
+            # one step's CFG output, for the bitwise comparison of the variants
+            step_outputs[variant] = step(0).detach().cpu()
         except Exception:  # noqa: BLE001
             result["errors"][variant] = gpu_common.format_exc()
         if harness is not None:
@@ -506,6 +678,15 @@ def main() -> int:
         )
 
     v = result["variants"]
+    if "diffusers" in step_outputs:
+        from sglang_train_parity.compare import ulp_distance
+
+        theirs = step_outputs["diffusers"]
+        result["step_output_vs_diffusers"] = {
+            k: {"equal": torch.equal(out, theirs), "max_ulp": ulp_distance(out, theirs)}
+            for k, out in step_outputs.items()
+            if k != "diffusers"
+        }
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     if med.get("train_parity") and med.get("default"):
         result["train_parity_over_default"] = round(
@@ -545,6 +726,7 @@ def main() -> int:
             f"{k:14s} {e.get('step_ms_median')!s:>15s} {e.get('step_ms_p10')!s:>9s} {e.get('step_ms_p90')!s:>9s} {e.get('peak_gib')!s:>9s}"
         )
     for k in (
+        "step_output_vs_diffusers",
         "train_parity_over_default",
         "train_parity_over_diffusers",
         "kernel_time_ms_per_step",
