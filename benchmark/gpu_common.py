@@ -415,11 +415,16 @@ class _KernelsWithGuardedPredicates:
         self._kernels, self._harness = kernels, harness
 
     def __getattr__(self, name: str):
-        value = getattr(self._kernels, name)
-        if name.startswith("can_use_"):
-            value = self._harness._wrap_try(name, value)
-            setattr(self, name, value)
-        return value
+        if not name.startswith("can_use_"):
+            return getattr(self._kernels, name)
+
+        def predicate(*args, **kwargs):
+            # resolved on the call: resolving loads the kernel's module, which may be missing
+            return getattr(self._kernels, name)(*args, **kwargs)
+
+        guarded = self._harness._wrap_try(name, predicate)
+        setattr(self, name, guarded)
+        return guarded
 
 
 def mount_default_quality(model, quality: str = DEFAULT_REQUEST_QUALITY) -> None:
