@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|all]
+#
+# wan: wan-parity, then wan-speed (one device call for both).
 #
 # demo: `sglang-train-parity demo --device cuda`, the real `sglang serve` on the GPU (train_parity,
 # then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
@@ -37,14 +39,14 @@ if [ "$what" = parity ] || [ "$what" = all ]; then
     echo "gpu_parity exit $prc"; rc=$((rc | prc))
     grep -E "^(train_parity|alpha96|default) |^default |^stand-in|^passed|^FAILED|^ERROR|Error|error:" "$OUT/gpu_parity.log" | tail -40
 fi
-if [ "$what" = wan-parity ]; then
+if [ "$what" = wan-parity ] || [ "$what" = wan ]; then
     timeout "${WAN_PARITY_TIMEOUT:-480}" python3 benchmark/gpu_parity_wan.py --out "$OUT/gpu_parity_wan.json" \
         --budget-s "${WAN_PARITY_BUDGET:-380}" ${WAN_PARITY_ARGS:-} >"$OUT/gpu_parity_wan.log" 2>&1
     wrc=$?
     echo "gpu_parity_wan exit $wrc"; rc=$((rc | wrc))
     grep -E "^wan|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_wan.log" | tail -30
 fi
-if [ "$what" = wan-speed ]; then
+if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
     timeout "${WAN_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family wan --out "$OUT/speed_wan.json" \
         --steps "${WAN_SPEED_STEPS:-3}" --warmup 1 --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" \
         >"$OUT/speed_wan.log" 2>&1
