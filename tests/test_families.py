@@ -1,7 +1,9 @@
-"""The tools know every family the server accepts under train_parity, and nothing else."""
+"""The tools know every family the server accepts under train_parity, and nothing else; the
+parity check runs each of them."""
 
 from __future__ import annotations
 
+from sglang_train_parity.check import FAMILY_CHECKS
 from sglang_train_parity.families import FAMILIES, family_of
 
 from sglang.multimodal_gen.registry import get_registered_pipeline_config_classes
@@ -18,4 +20,5 @@ def test_tools_and_server_agree_on_the_families():
     for family in FAMILIES:
         assert None not in family.contracts
         assert family_of(family.diffusers_class) is family
-        assert family.lora_targets and family.pairing
+        assert family.lora_targets and family.pair_of
+    assert set(FAMILY_CHECKS) == {family.name for family in FAMILIES}

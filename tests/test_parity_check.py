@@ -1,7 +1,8 @@
-"""`sglang-train-parity check` on the tiny Qwen-Image model (CPU): bitwise equal under train_parity
-with a LoRA adapter, the negative control (`--numerics default`) fails and names the first
-diverging module, a RoPE-table mismatch names the option that fixes it, and bad input is refused
-with a clear message (exit 2) before any model is loaded."""
+"""`sglang-train-parity check` on the tiny Qwen-Image and Wan models (CPU): bitwise equal under
+train_parity with a LoRA adapter (both experts of Wan2.2 A14B, video cases), the negative control
+(`--numerics default`) fails and names the first diverging module, a RoPE-table mismatch names the
+option that fixes it, and bad input is refused with a clear message (exit 2) before any model is
+loaded."""
 
 from __future__ import annotations
 
@@ -66,6 +67,78 @@ def test_default_numerics_fails_and_names_first_divergence(tiny_model, tmp_path)
     assert (tmp_path / "ulp.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+A14B = "Wan2.2-T2V-A14B-Diffusers"
+
+
+@pytest.fixture(scope="module")
+def tiny_a14b(tmp_path_factory) -> Path:
+    from sglang_train_parity.wan import build_tiny_dits
+
+    return build_tiny_dits(tmp_path_factory.mktemp("wan") / "tiny-a14b", A14B)
+
+
+@pytest.mark.slow
+def test_wan_two_experts_with_lora_are_bitwise(tiny_a14b, tmp_path):
+    """The folder's layout names the variant; every case runs on both experts."""
+    result = parity_check(
+        "--model-path", str(tiny_a14b), "--batch-sizes", "1,2", "--frames", "5",
+        "--image-sizes", "64x96", "--timesteps", "900", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["equal"] and report["model_id"] == A14B
+    assert report["experts"] == ["transformer", "transformer_2"]
+    cases = {(c["expert"], c["batch"], c["frames"]) for c in report["cases"]}
+    assert cases == {(e, b, 5) for e in report["experts"] for b in (1, 2)}
+    compared = {p["sglang"] for case in report["cases"] for p in case["pairs"]}
+    for module in ("", "patch_embedding.proj", "blocks.0.attn2.to_k.base_layer"):
+        assert module in compared, module
+    assert "9x" not in result.stdout and "5x64x96 t900 transformer_2" in result.stdout
+    assert (tmp_path / "ulp.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.slow
+def test_wan_default_numerics_fails_at_the_qk_norm(tmp_path):
+    """The embedded tiny Wan2.1 model (--model-id) under upstream's numerics."""
+    result = parity_check(
+        "--model-id", "Wan2.1-T2V-1.3B-Diffusers", "--numerics", "default",
+        "--batch-sizes", "1", "--timesteps", "500", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["first_divergence"] == "blocks.0.norm_q"
+    assert "first divergence: blocks.0.norm_q" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--frames", "8", "--model-id", A14B], "a video has 4k+1 frames"),
+        (["--frames", "5"], "Qwen-Image is an image model"),
+        (["--model-id", "Wan2.1-I2V-14B-480P-Diffusers"], "no embedded tiny model"),
+        (
+            ["--model-id", A14B, "--trainer-rope-tables", "cpu"],
+            "builds its RoPE tables at construction",
+        ),
+        (["--model-id", A14B, "--lora-path", "x.safetensors"], "has 2 experts"),
+        (
+            ["--model-id", "Wan2.2-TI2V-5B-Diffusers", "--image-sizes", "48"],
+            "multiples of 32 pixels",
+        ),
+    ],
+)
+def test_bad_wan_input_is_refused(args, message, capsys, tmp_path, monkeypatch):
+    from sglang_train_parity.check import main
+
+    monkeypatch.setenv(
+        "XDG_CACHE_HOME", str(tmp_path)
+    )  # the tiny TI2V model goes there
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--out-dir", str(tmp_path / "report")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.fixture
 def not_qwen_model(tmp_path) -> Path:
     (tmp_path / "transformer").mkdir()
@@ -109,7 +182,7 @@ def test_unknown_model_family_is_refused(not_qwen_model, capsys):
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
     assert "'FluxTransformer2DModel' is no train_parity family's" in message
-    assert "supported: QwenImageTransformer2DModel" in message
+    assert "supported: QwenImageTransformer2DModel, WanTransformer3DModel" in message
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -135,7 +208,7 @@ def test_rope_table_mismatch_names_the_option(capsys):
          "max_abs_diff": 1e-7, "max_ulp": None},
     ]  # fmt: skip
     args = SimpleNamespace(all_modules=False, max_rows=40, out_dir=Path("out"))
-    print_report(modules, [], [], args)
+    print_report(modules, [], args)
     out = capsys.readouterr().out
     assert "first divergence: rotary_emb" in out
     assert ROPE_TABLES_HINT in out and "--train-parity-rope-tables" in ROPE_TABLES_HINT

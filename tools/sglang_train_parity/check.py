@@ -2,11 +2,15 @@
 """`sglang-train-parity check`: the sglang DiT against the training forward (diffusers + PEFT under
 CUDA bf16 autocast), module by module, on the same inputs and weights.
 
-Every combination of the chosen batch sizes, text lengths, image sizes and timesteps is one case.
+Every combination of the chosen batch sizes, text lengths, image sizes, frame counts (video
+families) and timesteps is one case, run on every DiT of the model (both experts of Wan2.2 A14B).
 Per case, every module output of both sides is recorded and the pairs compared (dtype, shape,
 bitwise equal, max |diff|, max ULP). The report: a terminal table, report.json, and ulp.png (max
 ULP distance per module in execution order, first divergence marked). Exit status 1 when any pair
 differs, 2 on bad input.
+
+The model: --model-path (a diffusers-layout folder of a family with a train_parity contract), or
+an embedded tiny random model built locally: --model-id picks which (Qwen-Image by default).
 """
 
 from __future__ import annotations
@@ -17,22 +21,17 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from sglang_train_parity import reference, wan
 from sglang_train_parity.compare import compare_modules, first_divergence
 from sglang_train_parity.cpu_kernels import register_cpu_kernels
-from sglang_train_parity.families import FAMILIES, family_of
-from sglang_train_parity.reference import (
-    QwenDiTInputs,
-    build_reference,
-    random_lora_state,
-    reference_forward,
-)
+from sglang_train_parity.families import FAMILIES, Family, family_of
 from sglang_train_parity.sglang_dit import (
     load_dit,
     push_lora,
@@ -47,7 +46,8 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
     ROPE_TABLE_DEVICES,
 )
 
-# pixels per latent patch side: VAE downsampling (8) x patch size (2)
+# pixels per latent patch side: VAE downsampling (8) x patch size (2); Wan2.2 TI2V-5B's VAE
+# downsamples by 16 (WanCheck.pixels_per_patch)
 LATENT_PIXELS = 16
 NO_ULP = "-"  # shown for pairs that are not bf16 (RoPE tables, fp32 projections)
 ROTARY_EMB = "rotary_emb"
@@ -70,17 +70,130 @@ class Case:
     height: int  # pixels
     width: int
     timestep: float
+    frames: int | None = None  # video frames; None for an image family
+    expert: str = "transformer"  # the model's DiT component
 
     def label(self) -> str:
-        return (
-            f"b{self.batch} txt{self.text_length} {self.height}x{self.width} "
-            f"t{self.timestep:g}"
+        size = f"{self.height}x{self.width}"
+        if self.frames is not None:
+            size = f"{self.frames}x{size}"
+        expert = "" if self.expert == "transformer" else f" {self.expert}"
+        return f"b{self.batch} txt{self.text_length} {size} t{self.timestep:g}{expert}"
+
+
+class QwenImageCheck:
+    """What the check runs for Qwen-Image: one DiT, images, RoPE tables on either side."""
+
+    video = False
+    pixels_per_patch = LATENT_PIXELS
+    tiny_model_ids = ("Qwen-Image",)
+
+    def __init__(self, model_dir: Path | None, model_id: str) -> None:
+        self.model_id = model_id
+
+    @staticmethod
+    def model_id_of(model_dir: Path) -> str:
+        return "Qwen-Image"
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        return build_tiny_qwen_image(root)
+
+    @staticmethod
+    def experts(model_dir: Path | None, model_id: str) -> tuple[str, ...]:
+        return ("transformer",)
+
+    @staticmethod
+    def reference(masters, state, rank, alpha, device, rope_tables):
+        return reference.build_reference(
+            masters, state, rank, alpha, device=device, rope_tables=rope_tables
         )
 
+    def forwards(self, dit, model, case: Case, seed: int, device: str):
+        inputs = reference.QwenDiTInputs.random(
+            case.batch,
+            case.height // self.pixels_per_patch,
+            case.width // self.pixels_per_patch,
+            case.text_length,
+            model.config.joint_attention_dim,
+            case.timestep,
+            seed=seed,
+        )
+        ours = sglang_forward(dit, inputs, device)
+        return ours, reference.reference_forward(model, inputs, device)[1]
 
-def default_model_dir() -> Path:
+
+class WanCheck:
+    """What the check runs for Wan text-to-video: every expert of the model, video latents,
+    per-token timesteps where the pipeline expands them (Wan2.2 TI2V-5B)."""
+
+    video = True
+    tiny_model_ids = tuple(wan.TINY_VARIANTS)
+
+    def __init__(self, model_dir: Path, model_id: str) -> None:
+        self.model_id = model_id
+        self.per_token = bool(_model_index(model_dir).get("expand_timesteps"))
+        # VAE downsampling (8; 16 for TI2V-5B's VAE) x the DiT's patch (2)
+        self.pixels_per_patch = 32 if self.per_token else 16
+
+    @staticmethod
+    def model_id_of(model_dir: Path) -> str:
+        """The sglang model id whose pipeline serves this folder's layout."""
+        if _model_index(model_dir).get("expand_timesteps"):
+            return "Wan2.2-TI2V-5B-Diffusers"
+        if (model_dir / wan.EXPERTS[1]).is_dir():
+            return "Wan2.2-T2V-A14B-Diffusers"
+        return "Wan2.1-T2V-1.3B-Diffusers"
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        if (root / "model_index.json").is_file():
+            return root
+        return wan.build_tiny_dits(root, model_id)
+
+    @staticmethod
+    def experts(model_dir: Path | None, model_id: str) -> tuple[str, ...]:
+        """The folder's DiTs; without a folder, those of the embedded tiny model."""
+        if model_dir is None:
+            return wan.TINY_VARIANTS[model_id][1]
+        return tuple(e for e in wan.EXPERTS if (model_dir / e).is_dir())
+
+    @staticmethod
+    def reference(masters, state, rank, alpha, device, rope_tables):
+        # diffusers' Wan builds its RoPE tables at construction, on the CPU
+        return wan.build_reference(masters, state, rank, alpha, device)
+
+    def forwards(self, dit, model, case: Case, seed: int, device: str):
+        inputs = wan.WanDiTInputs.random(
+            case.batch,
+            (case.frames - 1) // 4 + 1,  # the VAE's 4x temporal downsampling
+            2 * case.height // self.pixels_per_patch,
+            2 * case.width // self.pixels_per_patch,
+            case.text_length,
+            dict(model.config),
+            case.timestep,
+            per_token=self.per_token,
+            seed=seed,
+        )
+        ours = wan.sglang_forward(dit, inputs, device)
+        return ours, wan.reference_forward(model, inputs, device)[1]
+
+
+# family name (families.FAMILIES) -> what the check runs for it
+FAMILY_CHECKS = {"Qwen-Image": QwenImageCheck, "Wan (text-to-video)": WanCheck}
+TINY_MODEL_IDS = tuple(
+    i for check in FAMILY_CHECKS.values() for i in check.tiny_model_ids
+)
+
+
+def _model_index(model_dir: Path) -> dict:
+    index = model_dir / "model_index.json"
+    return json.loads(index.read_text()) if index.is_file() else {}
+
+
+def default_model_dir(model_id: str = "Qwen-Image") -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "sglang-train-parity" / "tiny-qwen-image"
+    return Path(cache) / "sglang-train-parity" / f"tiny-{model_id.lower()}"
 
 
 def comma_list(convert):
@@ -119,6 +232,14 @@ def image_size(text: str) -> tuple[int, int]:
     return size
 
 
+def video_frames(text: str) -> int:
+    """Frames of a video: 4k + 1 (the VAE's temporal downsampling keeps the first frame)."""
+    frames = positive_int(text)
+    if frames % 4 != 1:
+        raise ValueError(f"{text} frames: a video has 4k+1 frames (5, 9, 13, ...)")
+    return frames
+
+
 def timestep(text: str) -> float:
     try:
         value = float(text)
@@ -143,15 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-path",
         type=Path,
         metavar="DIR",
-        help="diffusers-layout model folder (with transformer/); default: a tiny random "
-        f"Qwen-Image built once into {default_model_dir()}",
+        help="diffusers-layout model folder (with transformer/); default: the tiny random "
+        f"model of --model-id, built once into {default_model_dir('ID')}",
+    )
+    model.add_argument(
+        "--model-id",
+        metavar="ID",
+        help="sglang's model id for the folder (default: read from its layout) or, without "
+        f"--model-path, the embedded tiny model: {', '.join(TINY_MODEL_IDS)} (default "
+        "Qwen-Image)",
     )
     model.add_argument(
         "--lora-rank",
         type=int,
         metavar="R",
-        help="rank of a random LoRA adapter on all 12 targets; 0: none (default 8 under "
-        "train_parity, 0 under default: its packed text QKV takes no PEFT adapter)",
+        help="rank of a random LoRA adapter on all the family's trainer targets; 0: none "
+        "(default 8 under train_parity, 0 under default: its packed Q/K/V projections take "
+        "no PEFT adapter)",
     )
     model.add_argument(
         "--lora-alpha",
@@ -198,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="pixels, N or HxW, multiples of 16 (latent patch grid = size / 16; default 128)",
     )
     cases.add_argument(
+        "--frames",
+        type=comma_list(video_frames),
+        metavar="LIST",
+        help="video frames, 4k+1 (video families only; default 9: 3 latent frames)",
+    )
+    cases.add_argument(
         "--timesteps",
         type=comma_list(timestep),
         metavar="LIST",
@@ -222,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--trainer-rope-tables",
         choices=ROPE_TABLE_DEVICES,
-        help="where the trainer builds them (default: as the server); a mismatch shows "
-        "as rotary_emb differing first",
+        help="where the trainer builds them (Qwen-Image; default: as the server); a "
+        "mismatch shows as rotary_emb differing first",
     )
     run.add_argument(
         "--device",
@@ -292,32 +427,68 @@ def resolve_lora(args, parser) -> None:
     args.lora_rank, args.lora_alpha = config["r"], config["lora_alpha"]
 
 
+def resolve_model(args, parser) -> None:
+    """Fill args.family_check (the family's FAMILY_CHECKS entry) and args.model_id, from
+    --model-path's layout or the embedded tiny model --model-id names."""
+    if args.model_path is None:
+        args.model_id = args.model_id or "Qwen-Image"
+        check = next(
+            (c for c in FAMILY_CHECKS.values() if args.model_id in c.tiny_model_ids),
+            None,
+        )
+        if check is None:
+            parser.error(
+                f"--model-id {args.model_id!r}: no embedded tiny model; give --model-path, "
+                f"or one of: {', '.join(TINY_MODEL_IDS)}"
+            )
+        args.family_check = check
+        return
+    config = args.model_path / "transformer" / "config.json"
+    if not config.is_file():
+        parser.error(
+            f"--model-path {args.model_path}: not a diffusers-layout model "
+            "(no transformer/config.json)"
+        )
+    transformer_class = json.loads(config.read_text()).get("_class_name")
+    family: Family | None = family_of(transformer_class)
+    if family is None:
+        parser.error(
+            f"--model-path: transformer class {transformer_class!r} is no train_parity "
+            f"family's; supported: {', '.join(f.diffusers_class for f in FAMILIES)}"
+        )
+    args.family_check = FAMILY_CHECKS[family.name]
+    args.model_id = args.model_id or args.family_check.model_id_of(args.model_path)
+
+
 def validate(args, parser) -> None:
-    if args.model_path is not None:
-        config = args.model_path / "transformer" / "config.json"
-        if not config.is_file():
-            parser.error(
-                f"--model-path {args.model_path}: not a diffusers-layout model "
-                "(no transformer/config.json)"
-            )
-        transformer_class = json.loads(config.read_text()).get("_class_name")
-        family = family_of(transformer_class)
-        if family is None or not family.checkable:
-            checkable = [f.diffusers_class for f in FAMILIES if f.checkable]
-            parser.error(
-                f"--model-path: transformer class {transformer_class!r} is no family this "
-                f"check runs; it runs: {', '.join(checkable)}"
-            )
+    resolve_model(args, parser)
+    check = args.family_check
+    if args.frames is not None and not check.video:
+        parser.error(f"--frames: {args.model_id} is an image model")
+    if check.video:
+        args.frames = args.frames or [9]
+    if args.trainer_rope_tables is not None and check is not QwenImageCheck:
+        parser.error(
+            f"--trainer-rope-tables: {args.model_id}'s trainer (diffusers) builds its RoPE "
+            "tables at construction, on the CPU; only Qwen-Image's trainers choose"
+        )
     if args.max_rows < 0:
         parser.error("--max-rows must be >= 0")
     if find_spec("matplotlib") is None:  # not an sglang dependency; fail before the run
         parser.error("the ulp.png plot needs matplotlib: pip install matplotlib")
+    experts = check.experts(args.model_path, args.model_id)
+    if args.lora_path is not None and len(experts) > 1:
+        parser.error(
+            f"--lora-path: {args.model_id} has {len(experts)} experts, each with its own "
+            "adapter; check it with random adapters (--lora-rank)"
+        )
     resolve_lora(args, parser)
     if args.lora_rank and args.numerics != "train_parity":
         parser.error(
-            "a LoRA adapter needs --numerics train_parity: the default numerics pack the "
-            "text Q/K/V projections into one Linear (to_added_qkv), which PEFT's "
-            "per-projection adapter does not address; use --lora-rank 0"
+            "a LoRA adapter needs --numerics train_parity: the default numerics pack "
+            "Q/K/V projections into one Linear (Qwen-Image's text to_added_qkv, Wan's "
+            "self-attention to_qkv), which PEFT's per-projection adapter does not address; "
+            "use --lora-rank 0"
         )
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -338,10 +509,10 @@ def load_lora_file(path: Path) -> dict:
     return state
 
 
-def load_models(args, model_dir: Path):
-    """The sglang DiT (loaded once per process: it sets global server args), the reference
-    and the pairing function; LoRA in both when asked."""
-    from diffusers import QwenImageTransformer2DModel
+def load_models(args, family, model_dir: Path, expert: str, seed: int):
+    """The sglang DiT `expert` of `model_dir` and the trainer's model of the same masters, LoRA
+    in both when asked (a random adapter drawn from `seed`)."""
+    import diffusers
 
     if args.numerics == "default" and args.device == "cpu":
         register_cpu_kernels()  # upstream's default norms call sgl_kernel CPU ops
@@ -349,59 +520,63 @@ def load_models(args, model_dir: Path):
     if args.numerics == "train_parity":  # sglang refuses the option in other modes
         server_kwargs["train_parity_rope_tables"] = args.train_parity_rope_tables
     try:
-        dit = load_dit(model_dir, **server_kwargs)
+        dit = load_dit(model_dir, args.model_id, expert, **server_kwargs)
     except ValueError as e:  # sglang's own option and model checks
         raise CheckError(f"sglang refused the model or options: {e}") from e
-    masters = QwenImageTransformer2DModel.from_pretrained(
-        model_dir / "transformer", torch_dtype=torch.float32
+    spec = family_of(
+        json.loads((model_dir / expert / "config.json").read_text())["_class_name"]
+    )
+    masters = getattr(diffusers, spec.diffusers_class).from_pretrained(
+        model_dir / expert, torch_dtype=torch.float32
     )
     state = None
     if args.lora_path is not None:
         state = load_lora_file(args.lora_path)
     elif args.lora_rank:
-        state = random_lora_state(masters, args.lora_rank, args.lora_alpha, args.seed)
+        state = reference.random_lora_state(
+            masters, args.lora_rank, args.lora_alpha, seed, spec.lora_targets
+        )
     try:
         # first: it checks the adapter against PEFT's targets, with a clear message
-        reference = build_reference(
+        model = family.reference(
             masters,
             state,
             args.lora_rank,
             args.lora_alpha,
-            device=args.device,
-            rope_tables=args.trainer_rope_tables or args.train_parity_rope_tables,
+            args.device,
+            args.trainer_rope_tables or args.train_parity_rope_tables,
         )
         if state is not None:
             wrap_linears_for_lora(dit, args.numerics)
             push_lora(dit, state, args.lora_rank, args.lora_alpha)
-    except (ValueError, AttributeError) as e:  # AttributeError: no such sglang module
+    except (ValueError, AttributeError, KeyError) as e:  # no such module on either side
         raise CheckError(f"LoRA adapter: {e}") from e
-    return dit, reference, masters.config.joint_attention_dim
+    return dit, model, spec.pair_of
 
 
-def run_cases(args, model_dir: Path, cases: list[Case]) -> list[dict]:
-    dit, reference, joint_dim = load_models(args, model_dir)
+def run_cases(args, family, model_dir: Path, cases: list[Case]) -> list[dict]:
     results = []
-    for index, case in enumerate(tqdm(cases, desc="parity", unit="case", disable=None)):
-        inputs = QwenDiTInputs.random(
-            case.batch,
-            case.height // LATENT_PIXELS,
-            case.width // LATENT_PIXELS,
-            case.text_length,
-            joint_dim,
-            case.timestep,
-            seed=args.seed + index,
-        )
-        ours = sglang_forward(dit, inputs, args.device)
-        _, theirs = reference_forward(reference, inputs, args.device)
-        pairs = compare_modules(ours, theirs, args.lora_rank > 0)
-        results.append(
-            {
-                **asdict(case),
-                "equal": all(p["equal"] for p in pairs),
-                "first_divergence": first_divergence(pairs),
-                "pairs": pairs,
-            }
-        )
+    progress = tqdm(total=len(cases), desc="parity", unit="case", disable=None)
+    for expert_index, expert in enumerate(family.experts(model_dir, args.model_id)):
+        seed = args.seed + 100 * expert_index
+        dit, model, pair_of = load_models(args, family, model_dir, expert, seed)
+        for index, case in enumerate(cases):
+            case = replace(case, expert=expert)
+            ours, theirs = family.forwards(
+                dit, model, case, args.seed + index, args.device
+            )
+            pairs = compare_modules(ours, theirs, args.lora_rank > 0, pair_of)
+            results.append(
+                {
+                    **asdict(case),
+                    "equal": all(p["equal"] for p in pairs),
+                    "first_divergence": first_divergence(pairs),
+                    "pairs": pairs,
+                }
+            )
+            progress.update()
+        del dit, model
+    progress.close()
     return results
 
 
@@ -435,14 +610,13 @@ def summarize_modules(results: list[dict]) -> list[dict]:
     return list(modules.values())
 
 
-def print_report(
-    modules: list[dict], cases: list[Case], results: list[dict], args
-) -> None:
-    print(f"\n{'case':<28} {'pairs equal':>11}  first divergence")
-    for case, result in zip(cases, results):
+def print_report(modules: list[dict], results: list[dict], args) -> None:
+    print(f"\n{'case':<36} {'pairs equal':>11}  first divergence")
+    for result in results:
+        case = Case(**{k: result[k] for k in Case.__dataclass_fields__})
         equal = sum(p["equal"] for p in result["pairs"])
         print(
-            f"{case.label():<28} {equal:>5}/{len(result['pairs']):<5}  "
+            f"{case.label():<36} {equal:>5}/{len(result['pairs']):<5}  "
             f"{result['first_divergence'] or '-'}"
         )
 
@@ -560,14 +734,27 @@ def check(args) -> bool:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_path
     if model_dir is None:
-        model_dir = build_tiny_qwen_image(default_model_dir())
+        model_dir = args.family_check.build_tiny(
+            args.model_id, default_model_dir(args.model_id)
+        )
+    family = args.family_check(model_dir, args.model_id)
+    for height, width in args.image_sizes:
+        if height % family.pixels_per_patch or width % family.pixels_per_patch:
+            raise CheckError(
+                f"image size {height}x{width}: {args.model_id}'s sides are multiples of "
+                f"{family.pixels_per_patch} pixels (one latent patch)"
+            )
     cases = [
-        Case(batch, text_length, height, width, t)
-        for batch, text_length, (height, width), t in itertools.product(
-            args.batch_sizes, args.text_lengths, args.image_sizes, args.timesteps
+        Case(batch, text_length, height, width, t, frames)
+        for batch, text_length, (height, width), frames, t in itertools.product(
+            args.batch_sizes,
+            args.text_lengths,
+            args.image_sizes,
+            args.frames or [None],
+            args.timesteps,
         )
     ]
-    results = run_cases(args, model_dir, cases)
+    results = run_cases(args, family, model_dir, cases)
     modules = summarize_modules(results)
     equal = all(r["equal"] for r in results)
     first = next((m["sglang"] for m in modules if not m["equal"]), None)
@@ -575,6 +762,8 @@ def check(args) -> bool:
         "equal": equal,
         "first_divergence": first,
         "model_path": str(model_dir),
+        "model_id": args.model_id,
+        "experts": list(family.experts(model_dir, args.model_id)),
         "numerics": args.numerics,
         "train_parity_rope_tables": args.train_parity_rope_tables,
         "trainer_rope_tables": args.trainer_rope_tables
@@ -601,7 +790,7 @@ def check(args) -> bool:
         f"sglang --numerics {args.numerics} vs diffusers + PEFT ({args.device}, "
         f"{len(cases)} cases): {'bitwise equal' if equal else 'differs'}",
     )
-    print_report(modules, cases, results, args)
+    print_report(modules, results, args)
     return equal
 
 

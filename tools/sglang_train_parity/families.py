@@ -3,10 +3,11 @@
 trainer model class: the pipeline configs whose contracts the server accepts (declared in
 sglang), the diffusers class of the trainer's model, the trainer's LoRA targets and how sglang's
 modules pair with diffusers'. A family the server accepts and the tools do not know is a test
-failure (tests/test_families.py)."""
+failure (tests/test_families.py), and so is one the parity check does not run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sglang_train_parity import reference, wan
@@ -32,9 +33,8 @@ class Family:
     pipeline_configs: tuple[type, ...]
     diffusers_class: str
     lora_targets: tuple[str, ...]
-    pairing: dict[str, reference.ModulePair]
-    # the parity check tool (check.py) runs this family
-    checkable: bool
+    # sglang module name -> its diffusers counterpart (how the outputs compare)
+    pair_of: Callable[..., reference.ModulePair]
 
     @property
     def contracts(self) -> tuple[TrainParityContract, ...]:
@@ -47,8 +47,7 @@ FAMILIES = (
         pipeline_configs=(QwenImagePipelineConfig,),
         diffusers_class="QwenImageTransformer2DModel",
         lora_targets=reference.LORA_TARGETS,
-        pairing=reference.SGLANG_TO_DIFFUSERS,
-        checkable=True,
+        pair_of=reference.sglang_to_diffusers,
     ),
     Family(
         name="Wan (text-to-video)",
@@ -60,8 +59,7 @@ FAMILIES = (
         ),
         diffusers_class="WanTransformer3DModel",
         lora_targets=wan.LORA_TARGETS,
-        pairing=wan.SGLANG_TO_DIFFUSERS,
-        checkable=False,
+        pair_of=wan.sglang_to_diffusers,
     ),
 )
 
