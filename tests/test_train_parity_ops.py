@@ -12,19 +12,27 @@ import os
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 import itertools  # noqa: E402
+import math  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from functools import partial  # noqa: E402
+from unittest.mock import patch  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
+from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
+from diffusers.models.transformers import transformer_wan  # noqa: E402
 from diffusers.models.transformers.transformer_qwenimage import (  # noqa: E402
     QwenImageTransformerBlock,
     apply_rotary_emb_qwen,
 )
-from sglang_train_parity.autocast_emulation import cuda_autocast  # noqa: E402
+from sglang_train_parity.autocast_emulation import (  # noqa: E402
+    CUDA_POLICY,
+    cuda_autocast,
+)
 from sglang_train_parity.cpu_kernels import register_cpu_kernels  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -38,6 +46,9 @@ from sglang.multimodal_gen.runtime.layers.layernorm import (  # noqa: E402
     LayerNormScaleShift,
     RMSNorm,
     ScaleResidualLayerNormScaleShift,
+)
+from sglang.multimodal_gen.runtime.layers.rotary_embedding.mrope import (  # noqa: E402
+    NDRotaryEmbedding,
 )
 from sglang.multimodal_gen.runtime.utils.train_parity import (  # noqa: E402
     numerics_mode_context,
@@ -395,3 +406,433 @@ def test_default_or_merged_lora_differs(tp1, kind, merge_weights):
     layer, actual, expected = lora_case(kind, "0.3", DEFAULT, merge_weights)
     assert not layer.peft_forward
     assert mismatches(actual, expected)
+
+
+# ---------------------------------------------------------------------------------------- Wan
+
+# Wan's fp32 modulation: every norm / residual site rounds once, where WanTransformerBlock does.
+WAN_MODULATION = ("per_sample", "per_token")  # Wan2.1 / A14B [B, 6, D]; TI2V-5B [B, L, 6, D]
+# latent token grids (frames, height, width) after the (1, 2, 2) patch: odd sequence lengths.
+WAN_TOKEN_GRIDS = ((1, 7, 1), (3, 3, 5))
+WAN_GRID = list(itertools.product((1, 2), WAN_TOKEN_GRIDS, ("contiguous", "sliced")))
+WAN_GRID_IDS = [f"b{b}-{'x'.join(map(str, g))}-{layout}" for b, g, layout in WAN_GRID]
+# What CUDA autocast does with rms_norm: fp32 from torch 2.12 on, the input dtype in 2.11 (the
+# trainer's). The emulation follows the installed torch; `wan_attention` emulates the other.
+RMS_NORM_RULES = {"fp32": True, "input_dtype": False}
+RULE_PARAMS = dict(argvalues=list(RMS_NORM_RULES.values()), ids=list(RMS_NORM_RULES))
+EMULATED_RMS_NORM_IN_FP32 = "rms_norm" in CUDA_POLICY
+
+
+def wan_modulation(batch: int, seq: int, per_token: bool) -> list[torch.Tensor]:
+    """WanTransformerBlock's fp32 shift, scale, gate, c_shift, c_scale, c_gate (bf16 table +
+    temb.float(), as its forward writes them): [B, 1, D] views, or [B, L, D] per token."""
+    table = rand(1, 6, HIDDEN, scale=0.1)
+    if per_token:
+        temb = rand(batch, seq, 6, HIDDEN, scale=0.5)
+        chunks = (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        return [c.squeeze(2) for c in chunks]
+    return list((table + rand(batch, 6, HIDDEN, scale=0.5).float()).chunk(6, dim=1))
+
+
+def fp32_layer_norm(affine: bool = False) -> nn.Module:
+    """diffusers' FP32LayerNorm of Wan's norm1/2/3 and norm_out, bf16 affine as the trainer's."""
+    norm = FP32LayerNorm(HIDDEN, EPS, elementwise_affine=affine)
+    if affine:
+        norm.weight.data = 1 + rand(HIDDEN, scale=0.1)
+        norm.bias.data = rand(HIDDEN, scale=0.1)
+    return norm
+
+
+def wan_norm1_case(numerics, batch, seq, layout, per_token):
+    """norm1 + modulation. Other rounding: the norm's output rounded before the modulation
+    (FP32LayerNorm of the bf16 activations, without diffusers' `.float()`)."""
+    x = arrange(rand(batch, seq, HIDDEN), layout)
+    shift, scale, *_ = wan_modulation(batch, seq, per_token)
+    op = make_op(LayerNormScaleShift, numerics, HIDDEN, eps=EPS, dtype=torch.float32)
+    with torch.no_grad():
+        actual = op(x, shift, scale)
+    norm1 = fp32_layer_norm()
+    with reference():
+        # transformer_wan.py, WanTransformerBlock.forward, "1. Self-attention".
+        expected = (norm1(x.float()) * (1 + scale) + shift).type_as(x)
+        other = (norm1(x) * (1 + scale) + shift).type_as(x)
+    return actual, expected, other
+
+
+def wan_self_attn_residual_case(numerics, batch, seq, layout, per_token):
+    """sglang's self_attn_residual_norm: diffusers' gated residual, then norm2 (affine). Other
+    rounding: norm2 of the fp32 residual sum before it is rounded (a fused kernel's order)."""
+    residual, x = (arrange(rand(batch, seq, HIDDEN), layout) for _ in range(2))
+    gate = wan_modulation(batch, seq, per_token)[2]
+    norm2 = fp32_layer_norm(affine=True)
+    op = make_op(
+        ScaleResidualLayerNormScaleShift,
+        numerics,
+        HIDDEN,
+        eps=EPS,
+        elementwise_affine=True,
+        dtype=torch.float32,
+    ).to(BF16)
+    op.norm.load_state_dict(norm2.state_dict())
+    null = torch.zeros(1, dtype=BF16)  # sglang's null_shift / null_scale
+    with torch.no_grad():
+        normed, residual_out = op(residual, x, gate, null, null)
+    # sglang's WanTransformerBlock._cross_and_ffn rounds both to the activation dtype.
+    actual = normed.to(BF16), residual_out.to(BF16)
+    with reference():
+        # WanTransformerBlock.forward: the residual after attn1, then "2. Cross-attention".
+        hidden = (residual.float() + x * gate).type_as(residual)
+        expected = norm2(hidden.float()).type_as(hidden)
+        other = norm2(residual.float() + x * gate).type_as(hidden)
+    return actual, (expected, hidden), (other, hidden)
+
+
+def wan_cross_attn_residual_case(numerics, batch, seq, layout, per_token):
+    """sglang's cross_attn_residual_norm: the ungated bf16 residual, then norm3 + modulation.
+    Other rounding: norm3 of the fp32 sum before it is rounded."""
+    residual, x = (arrange(rand(batch, seq, HIDDEN), layout) for _ in range(2))
+    *_, c_shift, c_scale, _ = wan_modulation(batch, seq, per_token)
+    op = make_op(
+        ScaleResidualLayerNormScaleShift, numerics, HIDDEN, eps=EPS, dtype=torch.float32
+    )
+    with torch.no_grad():
+        normed, residual_out = op(residual, x, 1, c_shift, c_scale)
+    actual = normed.to(BF16), residual_out.to(BF16)
+    norm3 = fp32_layer_norm()
+    with reference():
+        # WanTransformerBlock.forward: the residual after attn2, then "3. Feed-forward".
+        hidden = residual + x
+        expected = (norm3(hidden.float()) * (1 + c_scale) + c_shift).type_as(hidden)
+        unrounded = residual.float() + x
+        other = (norm3(unrounded) * (1 + c_scale) + c_shift).type_as(hidden)
+    return actual, (expected, hidden), (other, hidden)
+
+
+def wan_mlp_residual_case(numerics, batch, seq, layout, per_token):
+    """The FFN's gated residual (MulAdd). Other rounding: the fp32 product rounded to bf16
+    before the sum (Qwen's two roundings)."""
+    ff_output, residual = rand(batch, seq, HIDDEN), rand(batch, seq, HIDDEN)
+    c_gate = wan_modulation(batch, seq, per_token)[5]
+    # -0.0 gates over -0.0 residuals: `0 + gate` would turn the sum's -0.0 into +0.0.
+    c_gate[..., :8] = -0.0
+    residual[..., :8] = -0.0
+    ff_output, residual = arrange(ff_output, layout), arrange(residual, layout)
+    op = make_op(MulAdd, numerics)
+    with torch.no_grad():
+        # sglang's WanTransformerBlock: self.mlp_residual(...).to(orig_dtype)
+        actual = op(ff_output, c_gate, residual).to(BF16)
+    with reference():
+        # WanTransformerBlock.forward, the end of "3. Feed-forward".
+        expected = (residual.float() + ff_output.float() * c_gate).type_as(residual)
+        other = residual + (ff_output.float() * c_gate).type_as(residual)
+    return actual, expected, other
+
+
+def wan_norm_out_case(numerics, batch, seq, layout, per_token):
+    """The output norm: bf16 modulation (bf16 table + bf16 temb), fp32 norm. Other rounding:
+    the norm's output rounded before the modulation, as for norm1."""
+    x = arrange(rand(batch, seq, HIDDEN), layout)
+    table = rand(1, 2, HIDDEN, scale=0.1)
+    # WanTransformer3DModel.forward, "5. Output norm": [B, L, D] (wan 2.2 ti2v) or [B, 1, D].
+    if per_token:
+        temb = rand(batch, seq, HIDDEN, scale=0.5)
+        shift, scale = (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        temb = rand(batch, HIDDEN, scale=0.5)
+        shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)
+    op = make_op(LayerNormScaleShift, numerics, HIDDEN, eps=EPS, dtype=torch.float32)
+    with torch.no_grad():
+        actual = op(x, shift, scale)
+    norm_out = fp32_layer_norm()
+    with reference():
+        expected = (norm_out(x.float()) * (1 + scale) + shift).type_as(x)
+        other = (norm_out(x) * (1 + scale) + shift).type_as(x)
+    return actual, expected, other
+
+
+WAN_NORM_CASES = {
+    f"{name}-{modulation}": partial(case, per_token=modulation == "per_token")
+    for name, case in (
+        ("norm1", wan_norm1_case),
+        ("self_attn_residual_norm", wan_self_attn_residual_case),
+        ("cross_attn_residual_norm", wan_cross_attn_residual_case),
+        ("mlp_residual", wan_mlp_residual_case),
+        ("norm_out", wan_norm_out_case),
+    )
+    for modulation in WAN_MODULATION
+}
+# Upstream's default CPU forward misses diffusers' bits only at these sites: at the others its
+# sgl_kernel CPU ops (stood in by cpu_kernels: fp32 math, one rounding) compute Wan's arithmetic.
+WAN_DEFAULT_DIFFERS = [c for c in WAN_NORM_CASES if c.startswith(("mlp_residual", "norm_out"))]
+
+
+@pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
+@pytest.mark.parametrize("case", WAN_NORM_CASES)
+def test_wan_norm_op_matches_diffusers(case, batch, seq, layout):
+    actual, expected, _ = WAN_NORM_CASES[case](TRAIN_PARITY, batch, seq, layout)
+    assert_bitwise(actual, expected)
+
+
+@pytest.mark.parametrize("case", WAN_NORM_CASES)
+def test_wan_norm_other_rounding_differs(case):
+    """The control: the site's other rounding order (see each case) misses diffusers' bits."""
+    cases = (WAN_NORM_CASES[case](TRAIN_PARITY, *point) for point in GRID)
+    assert any(mismatches(other, expected) for _, expected, other in cases)
+
+
+@pytest.mark.parametrize("case", WAN_DEFAULT_DIFFERS)
+def test_default_mode_wan_norm_op_differs(case):
+    """The control: upstream's CPU forward of the same op misses diffusers' bits somewhere."""
+    cases = (WAN_NORM_CASES[case](DEFAULT, *point) for point in GRID)
+    assert any(mismatches(actual, expected) for actual, expected, _ in cases)
+
+
+@pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
+@pytest.mark.parametrize("affine", [False, True], ids=["no_affine", "affine"])
+def test_layer_norm_matches_fp32_layer_norm(affine, batch, seq, layout):
+    """Wan's norm2 site: FP32LayerNorm of the fp32-cast activations, rounded back."""
+    x = arrange(rand(batch, seq, HIDDEN), layout)
+    norm = fp32_layer_norm(affine)
+    actual = train_parity_ops.layer_norm(x, EPS, norm.weight, norm.bias)
+    with reference():
+        expected = norm(x.float()).type_as(x)
+    assert_bitwise(actual, expected)
+
+
+def test_layer_norm_rounding_before_affine_differs():
+    """The control: the normalized value rounded before a bf16 affine misses the bits."""
+    x, norm = rand(2, 13, HIDDEN), fp32_layer_norm(affine=True)
+    with reference():
+        expected = norm(x.float()).type_as(x)
+    normed = F.layer_norm(x.float(), (HIDDEN,), None, None, EPS).to(BF16)
+    assert mismatches(normed * norm.weight + norm.bias, expected)
+    assert not mismatches(train_parity_ops.layer_norm(x, EPS, norm.weight, norm.bias), expected)
+
+
+@pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
+@pytest.mark.parametrize("modulation", WAN_MODULATION)
+def test_gated_residual_fp32_gate_matches_wan(modulation, batch, seq, layout):
+    """An fp32 gate: Wan's one rounding of the fp32 product and sum."""
+    residual, x = (arrange(rand(batch, seq, HIDDEN), layout) for _ in range(2))
+    gate = wan_modulation(batch, seq, modulation == "per_token")[2]
+    actual = train_parity_ops.gated_residual(residual, gate, x)
+    with reference():
+        # WanTransformerBlock.forward, after attn1.
+        expected = (residual.float() + x * gate).type_as(residual)
+    assert_bitwise(actual, expected)
+
+
+@pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
+def test_gated_residual_bf16_gate_matches_qwen(batch, seq, layout):
+    """A bf16 gate: Qwen-Image's bf16 product and bf16 sum."""
+    residual, x = (arrange(rand(batch, seq, HIDDEN), layout) for _ in range(2))
+    gate = rand(batch, 1, HIDDEN, scale=0.5)
+    actual = train_parity_ops.gated_residual(residual, gate[:, 0], x)  # a [B, D] gate
+    with reference():
+        # QwenImageTransformerBlock.forward: `hidden_states + img_gate1 * img_attn_output`.
+        expected = residual + gate * x
+    assert_bitwise(actual, expected)
+
+
+def test_gated_residual_two_roundings_differ():
+    """The control: Wan's fp32 gate rounded to bf16 first (Qwen's variant), or the product
+    rounded before the sum, misses Wan's bits."""
+    residual, x = rand(2, 13, HIDDEN), rand(2, 13, HIDDEN)
+    gate = wan_modulation(2, 13, per_token=False)[2]
+    with reference():
+        expected = (residual.float() + x * gate).type_as(residual)
+    assert mismatches(train_parity_ops.gated_residual(residual, gate.to(BF16), x), expected)
+    assert mismatches(residual + (x * gate).to(BF16), expected)
+
+
+# ------------------------------------------------------------ Wan Q/K norm, RoPE, attention
+
+
+class WithoutAutocast(nn.Module):
+    """`module` run with autocast off: torch 2.11's CUDA autocast has no rms_norm rule, so the
+    norm runs in its input dtype, as outside autocast."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.module(x)
+
+
+def wan_attention(
+    x: torch.Tensor, grid: tuple[int, int, int], rms_norm_in_fp32: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """diffusers' WanAttention (self-attention, Q/K RMSNorm across heads) with identity
+    projections, so its norm_q/norm_k see `x` itself, run on `x` [B, S, HIDDEN] with
+    WanRotaryPosEmbed's tables for the token `grid`, under the trainer's regime with the given
+    rms_norm autocast rule. Records the norms' outputs ("norm_q", "norm_k"), what reaches
+    dispatch_attention_fn ("query", "key", "value": RoPE applied) and its output ("attention").
+    Returns the norms' weights and the records."""
+    if rms_norm_in_fp32 and not EMULATED_RMS_NORM_IN_FP32:
+        pytest.skip("this torch's autocast has no fp32 rms_norm rule to emulate")
+    attn = transformer_wan.WanAttention(
+        HIDDEN,
+        heads=HEADS,
+        dim_head=HEAD_DIM,
+        eps=EPS,
+        processor=transformer_wan.WanAttnProcessor(),
+    ).to(BF16)
+    attn.to_q = attn.to_k = attn.to_v = nn.Identity()
+    recorded, weights = {}, {}
+    for name in ("norm_q", "norm_k"):
+        norm = getattr(attn, name)
+        norm.weight.data = weights[name] = 1 + rand(HIDDEN, scale=0.1)
+        norm.register_forward_hook(
+            lambda module, args, out, name=name: recorded.__setitem__(name, out)
+        )
+        if rms_norm_in_fp32 != EMULATED_RMS_NORM_IN_FP32:
+            setattr(attn, name, WithoutAutocast(norm))
+
+    def recording_dispatch(query, key, value, **kwargs):
+        recorded.update(query=query, key=key, value=value)
+        recorded["attention"] = dispatch_attention_fn(query, key, value, **kwargs)
+        return recorded["attention"]
+
+    rope = transformer_wan.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), max_seq_len=1024)
+    frames, height, width = grid
+    latents = torch.empty(1, 1, frames, 2 * height, 2 * width)
+    with (
+        patch.object(transformer_wan, "dispatch_attention_fn", recording_dispatch),
+        reference(),
+    ):
+        recorded["freqs"] = rope(latents)
+        attn(x, None, None, recorded["freqs"])
+    return weights, recorded
+
+
+def wan_rope_tables(grid: tuple[int, int, int], dtype=torch.float64):
+    """sglang's Wan RoPE tables (cos, sin) [S, HEAD_DIM / 2] fp32, built as
+    WanTransformer3DModel builds them (float64 where the platform has it)."""
+    d = HEAD_DIM
+    rope_dim_list = [d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)]
+    rope = NDRotaryEmbedding(rope_dim_list=rope_dim_list, rope_theta=10000, dtype=dtype)
+    return rope.forward_from_grid(grid)
+
+
+def wan_qk(weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """train_parity's Q/K norms (sglang's _train_parity_qk_norm) with diffusers' weights."""
+    return tuple(
+        train_parity_ops.torch_rms_norm(x, weights[name], EPS)
+        for name in ("norm_q", "norm_k")
+    )
+
+
+def heads(t: torch.Tensor) -> torch.Tensor:
+    return t.unflatten(2, (HEADS, HEAD_DIM))
+
+
+@pytest.fixture
+def rms_norm_rule(request, monkeypatch) -> bool:
+    """train_parity's rms_norm autocast rule set to the parameter (the reference follows it)."""
+    monkeypatch.setattr(train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", request.param)
+    return request.param
+
+
+def test_rms_norm_rule_follows_the_emulation():
+    """Both sides take the installed torch's rule unless a test sets one."""
+    assert train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 == EMULATED_RMS_NORM_IN_FP32
+
+
+@pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
+@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
+def test_wan_qk_rms_norm_matches_diffusers(rms_norm_rule, batch, grid, layout):
+    x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
+    weights, recorded = wan_attention(x, grid, rms_norm_rule)
+    assert_bitwise(wan_qk(weights, x), (recorded["norm_q"], recorded["norm_k"]))
+
+
+@pytest.mark.parametrize("rms_norm_in_fp32", **RULE_PARAMS)
+def test_wan_qk_rms_norm_rounding_before_weight_differs(rms_norm_in_fp32):
+    """The control: rounding the normalized value before the weight multiply, as Qwen's
+    diffusers RMSNorm (train_parity's rms_norm) does, misses torch.nn.RMSNorm's bits, compared
+    in bf16 so the dtype is not what differs."""
+    x = rand(2, 13, HIDDEN)
+    weights, recorded = wan_attention(x, (1, 13, 1), rms_norm_in_fp32)
+    assert mismatches(
+        train_parity_ops.rms_norm(x, weights["norm_q"], EPS),
+        recorded["norm_q"].to(BF16),
+    )
+
+
+@pytest.mark.parametrize("grid", WAN_TOKEN_GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_wan_rope_tables_match_diffusers(tp1, grid):
+    """sglang's tables are WanRotaryPosEmbed's at the pair slices diffusers' apply_rotary_emb
+    reads (`freqs_cos[..., 0::2]`, `freqs_sin[..., 1::2]`)."""
+    freqs_cos, freqs_sin = transformer_wan.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), 1024)(
+        torch.empty(1, 1, grid[0], 2 * grid[1], 2 * grid[2])
+    )
+    expected = (freqs_cos[0, :, 0, 0::2], freqs_sin[0, :, 0, 1::2])
+    assert_bitwise(wan_rope_tables(grid), expected)
+    # The control: the tables built in fp32 (the fallback without float64) differ.
+    assert mismatches(wan_rope_tables(grid, dtype=torch.float32), expected)
+
+
+@pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
+@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
+def test_wan_rotary_emb_real_matches_diffusers(tp1, rms_norm_rule, batch, grid, layout):
+    """RoPE of the normed Q/K (fp32 or bf16 by the rule) with sglang's tables equals diffusers'
+    apply_rotary_emb with its own."""
+    x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
+    _, recorded = wan_attention(x, grid, rms_norm_rule)
+    cos, sin = wan_rope_tables(grid)
+    actual = tuple(
+        train_parity_ops.rotary_emb_real(heads(recorded[norm]), cos, sin)
+        for norm in ("norm_q", "norm_k")
+    )
+    assert_bitwise(actual, (recorded["query"], recorded["key"]))
+
+
+@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
+def test_wan_rotary_emb_bf16_tables_differ(tp1, rms_norm_rule):
+    """The control: the same RoPE with the tables rounded to bf16 misses diffusers' bits."""
+    grid = WAN_TOKEN_GRIDS[-1]
+    x = rand(2, math.prod(grid), HIDDEN)
+    _, recorded = wan_attention(x, grid, rms_norm_rule)
+    cos, sin = (t.to(BF16) for t in wan_rope_tables(grid))
+    actual = train_parity_ops.rotary_emb_real(heads(recorded["norm_q"]), cos, sin)
+    assert mismatches(actual, recorded["query"])
+
+
+@pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
+@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
+def test_wan_self_attention_matches_diffusers(tp1, rms_norm_rule, batch, grid, layout):
+    """Q/K norm, RoPE and SDPA as sglang's WanTransformerBlock._forward_train_parity chains
+    them (Q/K cast to V's dtype) equal what WanAttnProcessor's attention returns."""
+    x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
+    weights, recorded = wan_attention(x, grid, rms_norm_rule)
+    assert_bitwise(wan_self_attention(weights, x, grid), recorded["attention"])
+
+
+def wan_self_attention(weights, x: torch.Tensor, grid) -> torch.Tensor:
+    cos, sin = wan_rope_tables(grid)
+    query, key = (
+        train_parity_ops.rotary_emb_real(heads(t), cos, sin) for t in wan_qk(weights, x)
+    )
+    value = heads(x)  # the identity to_v
+    return train_parity_ops.joint_attention(
+        query.to(value.dtype), key.to(value.dtype), value
+    )
+
+
+@pytest.mark.parametrize("grid", WAN_TOKEN_GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_wan_other_rms_norm_rule_differs(tp1, monkeypatch, grid):
+    """The control: train_parity with the other torch's rms_norm rule hands SDPA other Q/K
+    bits than diffusers under the installed torch's (compared as SDPA casts them, bf16), and
+    its attention output differs."""
+    x = rand(2, math.prod(grid), HIDDEN)
+    weights, recorded = wan_attention(x, grid, EMULATED_RMS_NORM_IN_FP32)
+    monkeypatch.setattr(
+        train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", not EMULATED_RMS_NORM_IN_FP32
+    )
+    cos, sin = wan_rope_tables(grid)
+    query = train_parity_ops.rotary_emb_real(heads(wan_qk(weights, x)[0]), cos, sin)
+    assert mismatches(query.to(BF16), recorded["query"].to(BF16))
+    assert mismatches(wan_self_attention(weights, x, grid), recorded["attention"])
