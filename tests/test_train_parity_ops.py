@@ -15,7 +15,7 @@ import itertools  # noqa: E402
 import math  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from functools import partial  # noqa: E402
+from functools import cache, partial  # noqa: E402
 from unittest.mock import patch  # noqa: E402
 
 import pytest  # noqa: E402
@@ -411,7 +411,8 @@ def test_default_or_merged_lora_differs(tp1, kind, merge_weights):
 # ---------------------------------------------------------------------------------------- Wan
 
 # Wan's fp32 modulation: every norm / residual site rounds once, where WanTransformerBlock does.
-WAN_MODULATION = ("per_sample", "per_token")  # Wan2.1 / A14B [B, 6, D]; TI2V-5B [B, L, 6, D]
+# temb [B, 6, D] (Wan2.1, Wan2.2 A14B) or per token [B, L, 6, D] (Wan2.2 TI2V-5B).
+WAN_MODULATION = ("per_sample", "per_token")
 # latent token grids (frames, height, width) after the (1, 2, 2) patch: odd sequence lengths.
 WAN_TOKEN_GRIDS = ((1, 7, 1), (3, 3, 5))
 WAN_GRID = list(itertools.product((1, 2), WAN_TOKEN_GRIDS, ("contiguous", "sliced")))
@@ -424,8 +425,8 @@ EMULATED_RMS_NORM_IN_FP32 = "rms_norm" in CUDA_POLICY
 
 
 def wan_modulation(batch: int, seq: int, per_token: bool) -> list[torch.Tensor]:
-    """WanTransformerBlock's fp32 shift, scale, gate, c_shift, c_scale, c_gate (bf16 table +
-    temb.float(), as its forward writes them): [B, 1, D] views, or [B, L, D] per token."""
+    """WanTransformerBlock's fp32 shift, scale, gate, c_shift, c_scale, c_gate: the bf16
+    table + temb.float(), as its forward writes them; [B, 1, D] views or [B, L, D]."""
     table = rand(1, 6, HIDDEN, scale=0.1)
     if per_token:
         temb = rand(batch, seq, 6, HIDDEN, scale=0.5)
@@ -460,8 +461,9 @@ def wan_norm1_case(numerics, batch, seq, layout, per_token):
 
 
 def wan_self_attn_residual_case(numerics, batch, seq, layout, per_token):
-    """sglang's self_attn_residual_norm: diffusers' gated residual, then norm2 (affine). Other
-    rounding: norm2 of the fp32 residual sum before it is rounded (a fused kernel's order)."""
+    """sglang's self_attn_residual_norm: diffusers' gated residual, then norm2 (affine).
+    Other rounding: norm2 of the fp32 residual sum before it is rounded (a fused kernel's
+    order)."""
     residual, x = (arrange(rand(batch, seq, HIDDEN), layout) for _ in range(2))
     gate = wan_modulation(batch, seq, per_token)[2]
     norm2 = fp32_layer_norm(affine=True)
@@ -564,7 +566,9 @@ WAN_NORM_CASES = {
 }
 # Upstream's default CPU forward misses diffusers' bits only at these sites: at the others its
 # sgl_kernel CPU ops (stood in by cpu_kernels: fp32 math, one rounding) compute Wan's arithmetic.
-WAN_DEFAULT_DIFFERS = [c for c in WAN_NORM_CASES if c.startswith(("mlp_residual", "norm_out"))]
+WAN_DEFAULT_DIFFERS = [
+    c for c in WAN_NORM_CASES if c.startswith(("mlp_residual", "norm_out"))
+]
 
 
 @pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
@@ -586,28 +590,6 @@ def test_default_mode_wan_norm_op_differs(case):
     """The control: upstream's CPU forward of the same op misses diffusers' bits somewhere."""
     cases = (WAN_NORM_CASES[case](DEFAULT, *point) for point in GRID)
     assert any(mismatches(actual, expected) for actual, expected, _ in cases)
-
-
-@pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
-@pytest.mark.parametrize("affine", [False, True], ids=["no_affine", "affine"])
-def test_layer_norm_matches_fp32_layer_norm(affine, batch, seq, layout):
-    """Wan's norm2 site: FP32LayerNorm of the fp32-cast activations, rounded back."""
-    x = arrange(rand(batch, seq, HIDDEN), layout)
-    norm = fp32_layer_norm(affine)
-    actual = train_parity_ops.layer_norm(x, EPS, norm.weight, norm.bias)
-    with reference():
-        expected = norm(x.float()).type_as(x)
-    assert_bitwise(actual, expected)
-
-
-def test_layer_norm_rounding_before_affine_differs():
-    """The control: the normalized value rounded before a bf16 affine misses the bits."""
-    x, norm = rand(2, 13, HIDDEN), fp32_layer_norm(affine=True)
-    with reference():
-        expected = norm(x.float()).type_as(x)
-    normed = F.layer_norm(x.float(), (HIDDEN,), None, None, EPS).to(BF16)
-    assert mismatches(normed * norm.weight + norm.bias, expected)
-    assert not mismatches(train_parity_ops.layer_norm(x, EPS, norm.weight, norm.bias), expected)
 
 
 @pytest.mark.parametrize("batch,seq,layout", GRID, ids=GRID_IDS)
@@ -642,7 +624,9 @@ def test_gated_residual_two_roundings_differ():
     gate = wan_modulation(2, 13, per_token=False)[2]
     with reference():
         expected = (residual.float() + x * gate).type_as(residual)
-    assert mismatches(train_parity_ops.gated_residual(residual, gate.to(BF16), x), expected)
+    assert mismatches(
+        train_parity_ops.gated_residual(residual, gate.to(BF16), x), expected
+    )
     assert mismatches(residual + (x * gate).to(BF16), expected)
 
 
@@ -662,6 +646,28 @@ class WithoutAutocast(nn.Module):
             return self.module(x)
 
 
+@cache
+def diffusers_wan_rope() -> nn.Module:
+    """diffusers' WanRotaryPosEmbed as WanTransformer3DModel builds it (patch (1, 2, 2),
+    rope_max_seq_len 1024): float64 tables rounded to fp32 buffers."""
+    return transformer_wan.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), max_seq_len=1024)
+
+
+def diffusers_wan_rope_tables(grid: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+    """WanRotaryPosEmbed's (freqs_cos, freqs_sin) [1, S, 1, HEAD_DIM] for a token grid."""
+    frames, height, width = grid
+    return diffusers_wan_rope()(torch.empty(1, 1, frames, 2 * height, 2 * width))
+
+
+def wan_rope_tables(grid: tuple[int, int, int], dtype=torch.float64):
+    """sglang's Wan RoPE tables (cos, sin) [S, HEAD_DIM / 2] fp32, built as
+    WanTransformer3DModel builds them (float64 where the platform has it)."""
+    d = HEAD_DIM
+    rope_dim_list = [d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)]
+    rope = NDRotaryEmbedding(rope_dim_list=rope_dim_list, rope_theta=10000, dtype=dtype)
+    return rope.forward_from_grid(grid)
+
+
 def wan_attention(
     x: torch.Tensor, grid: tuple[int, int, int], rms_norm_in_fp32: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -669,8 +675,8 @@ def wan_attention(
     projections, so its norm_q/norm_k see `x` itself, run on `x` [B, S, HIDDEN] with
     WanRotaryPosEmbed's tables for the token `grid`, under the trainer's regime with the given
     rms_norm autocast rule. Records the norms' outputs ("norm_q", "norm_k"), what reaches
-    dispatch_attention_fn ("query", "key", "value": RoPE applied) and its output ("attention").
-    Returns the norms' weights and the records."""
+    dispatch_attention_fn ("query", "key": RoPE applied; "value") and its output
+    ("attention"). Returns the norms' weights and the records."""
     if rms_norm_in_fp32 and not EMULATED_RMS_NORM_IN_FP32:
         pytest.skip("this torch's autocast has no fp32 rms_norm rule to emulate")
     attn = transformer_wan.WanAttention(
@@ -696,25 +702,16 @@ def wan_attention(
         recorded["attention"] = dispatch_attention_fn(query, key, value, **kwargs)
         return recorded["attention"]
 
-    rope = transformer_wan.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), max_seq_len=1024)
-    frames, height, width = grid
-    latents = torch.empty(1, 1, frames, 2 * height, 2 * width)
     with (
         patch.object(transformer_wan, "dispatch_attention_fn", recording_dispatch),
         reference(),
     ):
-        recorded["freqs"] = rope(latents)
-        attn(x, None, None, recorded["freqs"])
+        attn(x, None, None, diffusers_wan_rope_tables(grid))
     return weights, recorded
 
 
-def wan_rope_tables(grid: tuple[int, int, int], dtype=torch.float64):
-    """sglang's Wan RoPE tables (cos, sin) [S, HEAD_DIM / 2] fp32, built as
-    WanTransformer3DModel builds them (float64 where the platform has it)."""
-    d = HEAD_DIM
-    rope_dim_list = [d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)]
-    rope = NDRotaryEmbedding(rope_dim_list=rope_dim_list, rope_theta=10000, dtype=dtype)
-    return rope.forward_from_grid(grid)
+def heads(t: torch.Tensor) -> torch.Tensor:
+    return t.unflatten(2, (HEADS, HEAD_DIM))
 
 
 def wan_qk(weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -725,8 +722,17 @@ def wan_qk(weights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def heads(t: torch.Tensor) -> torch.Tensor:
-    return t.unflatten(2, (HEADS, HEAD_DIM))
+def wan_self_attention(weights, x: torch.Tensor, grid) -> torch.Tensor:
+    """Q/K norm, RoPE and SDPA chained as sglang's WanTransformerBlock._forward_train_parity
+    does (Q/K cast to V's dtype), on identity projections of `x`."""
+    cos, sin = wan_rope_tables(grid)
+    query, key = (
+        train_parity_ops.rotary_emb_real(heads(t), cos, sin) for t in wan_qk(weights, x)
+    )
+    value = heads(x)
+    return train_parity_ops.joint_attention(
+        query.to(value.dtype), key.to(value.dtype), value
+    )
 
 
 @pytest.fixture
@@ -743,10 +749,27 @@ def test_rms_norm_rule_follows_the_emulation():
 
 @pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
 @pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
-def test_wan_qk_rms_norm_matches_diffusers(rms_norm_rule, batch, grid, layout):
+def test_wan_self_attention_ops_match_diffusers(
+    tp1, rms_norm_rule, batch, grid, layout
+):
+    """Under each rms_norm rule: torch_rms_norm equals WanAttention's norm_q/norm_k
+    (torch.nn.RMSNorm); rotary_emb_real of those outputs (fp32 or bf16 by the rule) with
+    sglang's tables equals diffusers' apply_rotary_emb with WanRotaryPosEmbed's; and the chain
+    norm -> RoPE -> joint_attention equals what WanAttnProcessor's attention returns."""
     x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
     weights, recorded = wan_attention(x, grid, rms_norm_rule)
-    assert_bitwise(wan_qk(weights, x), (recorded["norm_q"], recorded["norm_k"]))
+    cos, sin = wan_rope_tables(grid)
+    roped = (
+        train_parity_ops.rotary_emb_real(heads(recorded[norm]), cos, sin)
+        for norm in ("norm_q", "norm_k")
+    )
+    pairs = {
+        "qk_rms_norm": (wan_qk(weights, x), (recorded["norm_q"], recorded["norm_k"])),
+        "rotary_emb_real": (tuple(roped), (recorded["query"], recorded["key"])),
+        "attention": (wan_self_attention(weights, x, grid), recorded["attention"]),
+    }
+    problems = [f"{op}: {p}" for op, pair in pairs.items() for p in mismatches(*pair)]
+    assert not problems, "; ".join(problems)
 
 
 @pytest.mark.parametrize("rms_norm_in_fp32", **RULE_PARAMS)
@@ -765,34 +788,18 @@ def test_wan_qk_rms_norm_rounding_before_weight_differs(rms_norm_in_fp32):
 @pytest.mark.parametrize("grid", WAN_TOKEN_GRIDS, ids=lambda g: "x".join(map(str, g)))
 def test_wan_rope_tables_match_diffusers(tp1, grid):
     """sglang's tables are WanRotaryPosEmbed's at the pair slices diffusers' apply_rotary_emb
-    reads (`freqs_cos[..., 0::2]`, `freqs_sin[..., 1::2]`)."""
-    freqs_cos, freqs_sin = transformer_wan.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), 1024)(
-        torch.empty(1, 1, grid[0], 2 * grid[1], 2 * grid[2])
-    )
+    reads (`freqs_cos[..., 0::2]`, `freqs_sin[..., 1::2]`); the control: the tables built in
+    fp32 (sglang's fallback without float64) differ."""
+    freqs_cos, freqs_sin = diffusers_wan_rope_tables(grid)
     expected = (freqs_cos[0, :, 0, 0::2], freqs_sin[0, :, 0, 1::2])
     assert_bitwise(wan_rope_tables(grid), expected)
-    # The control: the tables built in fp32 (the fallback without float64) differ.
     assert mismatches(wan_rope_tables(grid, dtype=torch.float32), expected)
-
-
-@pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
-@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
-def test_wan_rotary_emb_real_matches_diffusers(tp1, rms_norm_rule, batch, grid, layout):
-    """RoPE of the normed Q/K (fp32 or bf16 by the rule) with sglang's tables equals diffusers'
-    apply_rotary_emb with its own."""
-    x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
-    _, recorded = wan_attention(x, grid, rms_norm_rule)
-    cos, sin = wan_rope_tables(grid)
-    actual = tuple(
-        train_parity_ops.rotary_emb_real(heads(recorded[norm]), cos, sin)
-        for norm in ("norm_q", "norm_k")
-    )
-    assert_bitwise(actual, (recorded["query"], recorded["key"]))
 
 
 @pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
 def test_wan_rotary_emb_bf16_tables_differ(tp1, rms_norm_rule):
-    """The control: the same RoPE with the tables rounded to bf16 misses diffusers' bits."""
+    """The control: the same RoPE with the tables rounded to bf16 misses diffusers' bits.
+    (Qwen's complex `rotary_emb` is no control here: on CPU it gives the same bits.)"""
     grid = WAN_TOKEN_GRIDS[-1]
     x = rand(2, math.prod(grid), HIDDEN)
     _, recorded = wan_attention(x, grid, rms_norm_rule)
@@ -801,31 +808,10 @@ def test_wan_rotary_emb_bf16_tables_differ(tp1, rms_norm_rule):
     assert mismatches(actual, recorded["query"])
 
 
-@pytest.mark.parametrize("batch,grid,layout", WAN_GRID, ids=WAN_GRID_IDS)
-@pytest.mark.parametrize("rms_norm_rule", **RULE_PARAMS, indirect=True)
-def test_wan_self_attention_matches_diffusers(tp1, rms_norm_rule, batch, grid, layout):
-    """Q/K norm, RoPE and SDPA as sglang's WanTransformerBlock._forward_train_parity chains
-    them (Q/K cast to V's dtype) equal what WanAttnProcessor's attention returns."""
-    x = arrange(rand(batch, math.prod(grid), HIDDEN), layout)
-    weights, recorded = wan_attention(x, grid, rms_norm_rule)
-    assert_bitwise(wan_self_attention(weights, x, grid), recorded["attention"])
-
-
-def wan_self_attention(weights, x: torch.Tensor, grid) -> torch.Tensor:
-    cos, sin = wan_rope_tables(grid)
-    query, key = (
-        train_parity_ops.rotary_emb_real(heads(t), cos, sin) for t in wan_qk(weights, x)
-    )
-    value = heads(x)  # the identity to_v
-    return train_parity_ops.joint_attention(
-        query.to(value.dtype), key.to(value.dtype), value
-    )
-
-
 @pytest.mark.parametrize("grid", WAN_TOKEN_GRIDS, ids=lambda g: "x".join(map(str, g)))
 def test_wan_other_rms_norm_rule_differs(tp1, monkeypatch, grid):
-    """The control: train_parity with the other torch's rms_norm rule hands SDPA other Q/K
-    bits than diffusers under the installed torch's (compared as SDPA casts them, bf16), and
+    """The control: train_parity with the other torch's rms_norm rule hands SDPA other Q bits
+    than diffusers under the installed torch's (compared in bf16, as SDPA casts them), and
     its attention output differs."""
     x = rand(2, math.prod(grid), HIDDEN)
     weights, recorded = wan_attention(x, grid, EMULATED_RMS_NORM_IN_FP32)

@@ -56,35 +56,15 @@ def layer_norm_scale_shift(
     ``x * (1 + scale) + shift``: ``1 + scale`` in the modulation's dtype, the
     product and the sum in fp32. Rounded once to ``x``'s dtype, which is what
     autocast does where the training forward feeds the result to a Linear."""
-    normed = _layer_norm_fp32(x, eps, weight, bias)
-    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
-    return modulated.to(x.dtype)
-
-
-def _layer_norm_fp32(
-    x: torch.Tensor,
-    eps: float,
-    weight: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-) -> torch.Tensor:
-    return F.layer_norm(
+    normed = F.layer_norm(
         x.float(),
         x.shape[-1:],
         None if weight is None else weight.float(),
         None if bias is None else bias.float(),
         eps,
     )
-
-
-def layer_norm(
-    x: torch.Tensor,
-    eps: float,
-    weight: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """diffusers ``FP32LayerNorm``: fp32 statistics and affine, rounded once to
-    ``x``'s dtype."""
-    return _layer_norm_fp32(x, eps, weight, bias).to(x.dtype)
+    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
+    return modulated.to(x.dtype)
 
 
 def gated_residual(

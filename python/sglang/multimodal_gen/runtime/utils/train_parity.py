@@ -143,10 +143,11 @@ class TrainParityContract:
     # CustomOps the DiT builds only for their parameters, which its train_parity
     # forward reads without calling the op (calling one raises).
     parameter_only_ops: tuple[str, ...] = ()
-    # The request field that carries the trainer's CFG scale. Every request
-    # must set it: left unset, the pipeline would guide with a default the
-    # trainer does not know.
-    cfg_scale_field: str | None = None
+    # The request fields that carry the trainer's CFG scales. Every request
+    # must set each of them: left unset, the pipeline would guide with a
+    # default (its own or the sampling params class's) the trainer does not
+    # know.
+    cfg_scale_fields: tuple[str, ...] = ()
 
 
 def train_parity_contract(pipeline_config: Any) -> TrainParityContract | None:
@@ -558,14 +559,19 @@ def _request_input_problems(
     from sglang.multimodal_gen.runtime.platforms import current_platform
 
     contract = train_parity_contract(server_args.pipeline_config)
-    field = contract.cfg_scale_field if contract else None
-    if field is not None and getattr(params, field, None) is None:
-        yield (
-            f"a request without {field}",
-            "the pipeline would guide with a default scale the trainer does not "
-            "know",
-            f"set {field} (1 for no CFG)",
-        )
+    explicit = getattr(params, "_explicit_fields", None)
+    for field in contract.cfg_scale_fields if contract else ():
+        if explicit is not None:
+            unset = field not in explicit
+        else:  # params built without a record of the request's fields
+            unset = getattr(params, field, None) is None
+        if unset:
+            yield (
+                f"a request without {field}",
+                "the pipeline would guide with a default scale the trainer does "
+                "not know",
+                f"set {field} (1 for no CFG)",
+            )
     max_pixels = server_args.train_parity_max_image_pixels
     if params.width is not None and params.height is not None:
         pixels = params.width * params.height

@@ -11,6 +11,7 @@ import torch
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
+from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
 from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
 from sglang.multimodal_gen.runtime.utils import train_parity
@@ -30,7 +31,7 @@ class _OptedInPipelineConfig(QwenImagePipelineConfig):
         "a training forward",
         "QwenImageTransformer2DModel",
         (),
-        cfg_scale_field="true_cfg_scale",
+        cfg_scale_fields=("true_cfg_scale",),
     )
 
 
@@ -94,6 +95,18 @@ def test_request_input_is_checked_at_admission(request_kwargs, option):
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
         _request(args, **request_kwargs)
     _request(_args(numerics="default"), **request_kwargs)
+
+
+def test_a_cfg_scale_left_to_a_default_is_refused():
+    """A sampling params class may default the scale (Wan's guidance_scale):
+    only a value the request states is the trainer's."""
+    args = _args()
+    params = SamplingParams(prompt="a cat", true_cfg_scale=4.0)
+    params._explicit_fields = {"prompt"}
+    with pytest.raises(TrainParityError, match="a request without true_cfg_scale"):
+        train_parity.adjust_sampling_params(params, args)
+    params._explicit_fields = {"prompt", "true_cfg_scale"}
+    train_parity.adjust_sampling_params(params, args)
 
 
 def test_rollouts_draw_noise_on_the_server_device():

@@ -56,6 +56,14 @@ def test_text_to_video_variants_opt_in_and_the_rest_are_refused():
         assert train_parity.train_parity_contract(config_cls).dit == (
             "WanTransformer3DModel"
         )
+    # the A14B pipeline guides its low-noise expert with guidance_scale_2
+    assert Wan2_2_T2V_A14B_Config.train_parity_contract.cfg_scale_fields == (
+        "guidance_scale",
+        "guidance_scale_2",
+    )
+    assert WanT2V480PConfig.train_parity_contract.cfg_scale_fields == (
+        "guidance_scale",
+    )
     refused = (
         WanI2V480PConfig,
         Wan2_2_I2V_A14B_Config,
@@ -139,6 +147,30 @@ def test_dit_matches_diffusers(timesteps, rms_norm_in_fp32, monkeypatch):
         with set_forward_context(0, None, forward_batch=None):
             actual = dit(**inputs)
     assert torch.equal(actual, expected) == (not rms_norm_in_fp32)
+
+
+def test_fp32_text_is_taken_in_the_transformer_dtype(monkeypatch):
+    """The T5 encoder runs in fp32 and the stage does not autocast the DiT under
+    train_parity: the DiT takes the text in its own dtype, as diffusers'
+    WanPipeline hands it to its transformer."""
+    reference, dit = _tiny_dits("train_parity")
+    monkeypatch.setattr(train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", False)
+    generator = torch.Generator().manual_seed(2)
+    latents = torch.randn(1, 16, 3, 6, 8, generator=generator).to(BF16)
+    text = torch.randn(1, 12, 32, generator=generator)
+    timestep = torch.tensor([500.0])
+    with torch.no_grad():
+        (expected,) = reference(
+            hidden_states=latents,
+            encoder_hidden_states=text.to(BF16),
+            timestep=timestep,
+            return_dict=False,
+        )
+        with set_forward_context(0, None, forward_batch=None):
+            actual = dit(
+                hidden_states=latents, encoder_hidden_states=text, timestep=timestep
+            )
+    assert torch.equal(actual, expected)
 
 
 def test_rms_norm_variant_follows_torch():
