@@ -79,14 +79,10 @@ def gated_residual(
 
 # CUDA autocast runs rms_norm in fp32 from torch 2.12 on (pytorch#174824);
 # torch 2.11 leaves it in the input dtype.
-AUTOCAST_RMS_NORM_IN_FP32 = torch.torch_version.TorchVersion(
-    torch.__version__
-) >= (2, 12)
+AUTOCAST_RMS_NORM_IN_FP32 = torch.__version__ >= (2, 12)
 
 
-def torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``torch.nn.RMSNorm`` (Wan's Q/K norms) under CUDA autocast: torch's own
     kernel, which does not round before the weight multiply (unlike
     ``rms_norm``); in fp32, with an fp32 result, where autocast runs it so."""

@@ -79,9 +79,7 @@ def test_text_to_video_variants_opt_in_and_the_rest_are_refused():
     with pytest.raises(train_parity.TrainParityError) as refusal:
         train_parity.require_contract(args)
     assert "FastWan2_1_T2V_480P_Config" in str(refusal.value)
-    assert "Wan2.1 T2V 1.3B (WanT2V480PConfig), not this variant" in str(
-        refusal.value
-    )
+    assert "Wan2.1 T2V 1.3B (WanT2V480PConfig), not this variant" in str(refusal.value)
 
 
 def _tiny_dits(numerics: str):
@@ -125,9 +123,7 @@ def test_dit_matches_diffusers(timesteps, rms_norm_in_fp32, monkeypatch):
     for this model in torch 2.11, where rms_norm keeps the input dtype; the
     fp32 rms_norm of later autocasts differs (the control)."""
     reference, dit = _tiny_dits("train_parity")
-    monkeypatch.setattr(
-        train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", rms_norm_in_fp32
-    )
+    monkeypatch.setattr(train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", rms_norm_in_fp32)
     generator = torch.Generator().manual_seed(1)
     batch, frames, height, width = 2, 3, 6, 8
     latents = torch.randn(batch, 16, frames, height, width, generator=generator)
