@@ -82,6 +82,27 @@ def test_text_to_video_variants_opt_in_and_the_rest_are_refused():
     assert "Wan2.1 T2V 1.3B (WanT2V480PConfig), not this variant" in str(refusal.value)
 
 
+def test_every_other_registered_wan_variant_is_refused_by_name():
+    from sglang.multimodal_gen.registry import get_registered_pipeline_config_classes
+
+    wan_configs = [
+        cls
+        for cls in get_registered_pipeline_config_classes()
+        if cls.__module__ == WanT2V480PConfig.__module__
+    ]
+    refused = [cls for cls in wan_configs if cls not in COVERED]
+    assert len(refused) >= 8  # image-to-video, distilled, animate
+    for config_cls in refused:
+        args = SimpleNamespace(model_path="a/wan", pipeline_config=config_cls())
+        with pytest.raises(train_parity.TrainParityError) as refusal:
+            train_parity.require_contract(args)
+        message = str(refusal.value)
+        assert f"(pipeline {config_cls.__name__})" in message
+        assert "not this variant" in message
+        for covered in COVERED:
+            assert train_parity.train_parity_contract(covered).family in message
+
+
 def _tiny_dits(numerics: str):
     """diffusers' DiT with bf16 random weights, and sglang's holding the same."""
     torch.manual_seed(0)
