@@ -48,7 +48,8 @@ CPU_KERNELS_ENV = "SGLANG_TP_HARNESS_CPU_KERNELS"
 COMPONENT_LOADER = (
     "sglang.multimodal_gen.runtime.loader.component_loaders.component_loader"
 )
-DIT_COMPONENT = "transformer"
+# the pipeline's DiTs: Wan2.2 A14B has a second expert
+DIT_COMPONENTS = ("transformer", "transformer_2")
 
 _logger = logging.getLogger("sglang_tp_harness")
 _lock = threading.Lock()
@@ -179,7 +180,7 @@ def after_load(component_name: str, component, numerics: str | None) -> None:
     if not isinstance(component, torch.nn.Module):
         return
     ops = _ops(component)
-    if component_name == DIT_COMPONENT and numerics == "train_parity":
+    if component_name in DIT_COMPONENTS and numerics == "train_parity":
         wrapped = [
             n
             for n, m in ops
@@ -196,7 +197,7 @@ def after_load(component_name: str, component, numerics: str | None) -> None:
         )
         return
     harness = LoggedHarness(component_name)
-    if component_name == DIT_COMPONENT:
+    if component_name in DIT_COMPONENTS:
         harness.install(component, sys.modules[type(component).__module__])
         how = "DefaultPathHarness (closest default path that runs here)"
     else:
