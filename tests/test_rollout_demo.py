@@ -1,7 +1,8 @@
 """The main job end to end: `sglang-train-parity demo` starts real sglang servers on CPU, pushes 3
-LoRA updates (fp32 masters, their bf16 copies, fp32 masters), rolls out with true CFG, and
-recomputes every step as the trainer does: exactly 0.0 under train_parity with the server's policy
-checksum equal to the trainer's, nonzero under default, nothing left running. The GPU run
+LoRA updates (fp32 masters, their bf16 copies, fp32 masters), rolls out with CFG, and recomputes
+every step as the trainer does: exactly 0.0 under train_parity with the server's policy checksum
+equal to the trainer's, nonzero under default, nothing left running. Qwen-Image (true CFG) and
+Wan2.2 T2V-A14B (two experts, each with its own adapter, switched inside the rollout). The GPU run
 (`--device cuda`) is benchmark/run_h200.sh's `demo` (docs/results.md)."""
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ UPDATE_LINE = re.compile(
     r"fingerprints=(\S+) policy_checksum=(\S+)$",
     re.M,
 )
+A14B = "Wan2.2-T2V-A14B-Diffusers"
+TI2V = "Wan2.2-TI2V-5B-Diffusers"
 EXPLANATION_LINE = re.compile(
     r"^\[(train_parity|default)\] update (\d): the same rollout with its debug tensors: "
     r"model_output_max_abs_diff=(\S+) model_output_mean_abs_diff=(\S+)$",
@@ -37,6 +40,13 @@ def model_dir(tmp_path_factory):
     from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
     return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+
+
+@pytest.fixture(scope="module")
+def wan_model_dir(tmp_path_factory):
+    from sglang_train_parity.tiny_model import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("model") / "tiny-wan-a14b", A14B)
 
 
 def tagged_env(tmp_path: Path) -> tuple[dict[str, str], str]:
@@ -122,6 +132,97 @@ def test_demo_train_parity_is_exact_and_default_is_not(model_dir, tmp_path):
     assert all(r["model_output_max_abs_diff"] > 0 for r in written["default"])
 
 
+def test_wan_a14b_demo_is_exact_on_both_experts_and_default_is_not(
+    wan_model_dir, tmp_path
+):
+    """Each update pushes one adapter per expert; t >= 875 runs `transformer` (guidance_scale),
+    after it `transformer_2` (guidance_scale_2): with 4 steps the switch falls inside the
+    rollout, and every step's fingerprints carry the adapter of the expert that ran it.
+    """
+    env, tag = tagged_env(tmp_path)
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [
+            *DEMO,
+            *("--model-id", A14B, "--model-dir", str(wan_model_dir)),
+            *("--updates", "3", "--report", str(report)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = UPDATE_LINE.findall(result.stdout)
+    assert [(m, int(u), d, fp, cs) for m, u, d, fp, cs in lines] == [
+        ("train_parity", 1, "fp32", "equal", "equal"),
+        ("train_parity", 2, "bf16", "equal", "equal"),
+        ("train_parity", 3, "fp32", "equal", "equal"),
+        # upstream's Wan LoRA forward fails on fp32 adapters: the default server gets bf16
+        ("default", 1, "bf16", "differ", "differs"),
+        ("default", 2, "bf16", "differ", "differs"),
+        ("default", 3, "bf16", "differ", "differs"),
+    ]
+    route = "steps 0-1 transformer, 2-3 transformer_2)"
+    assert result.stdout.count(route) == 6
+    assert "[default] adapters pushed as bf16 whatever --push-dtypes says" in (
+        result.stdout
+    )
+    assert (
+        "[train_parity] update 3: fingerprints: all 4 recomputed steps bitwise equal"
+        in result.stdout
+    )
+    explained = [
+        (mode, float(max_diff))
+        for mode, _, max_diff, _ in EXPLANATION_LINE.findall(result.stdout)
+    ]
+    assert [mode for mode, _ in explained] == ["default"] * 3
+    assert all(max_diff > 0 for _, max_diff in explained)
+    assert live_processes(tag) == []
+    written = json.loads(report.read_text())
+    assert written["passed"] is True and written["model_id"] == A14B
+    assert written["rollout_request"]["extra_sampling_params"] == {
+        "guidance_scale_2": 3.0
+    }
+    assert all(
+        r["experts_by_step"] == ["transformer"] * 2 + ["transformer_2"] * 2
+        for r in written["train_parity"] + written["default"]
+    )
+    assert [r["pushed_as"] for r in written["default"]] == ["bf16"] * 3
+
+
+def test_wan_ti2v_demo_is_exact_with_per_token_timesteps(tmp_path):
+    """Wan2.2 TI2V-5B: 48 latent channels, its own VAE, one timestep per token (train_parity
+    only: the default comparison runs on A14B above)."""
+    env, tag = tagged_env(tmp_path)
+    result = subprocess.run(
+        [
+            *DEMO,
+            *("--model-id", TI2V, "--model-dir", str(tmp_path / "tiny-ti2v")),
+            *("--updates", "2", "--skip-default"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert [
+        (m, int(u), d, fp, cs) for m, u, d, fp, cs in UPDATE_LINE.findall(result.stdout)
+    ] == [
+        ("train_parity", 1, "fp32", "equal", "equal"),
+        ("train_parity", 2, "bf16", "equal", "equal"),
+    ]
+    assert live_processes(tag) == []
+
+
+def test_every_family_has_a_demo():
+    from sglang_train_parity.families import FAMILIES
+    from sglang_train_parity.rollout_demo import FAMILY_DEMOS
+
+    assert set(FAMILY_DEMOS) == {family.name for family in FAMILIES}
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -135,6 +236,35 @@ def test_demo_refuses_bad_options(argv, message, capsys):
 
     with pytest.raises(SystemExit):
         parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_demo_names_the_model_ids_it_runs(capsys):
+    from sglang_train_parity.rollout_demo import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "Wan2.2-I2V-A14B-Diffusers"])  # image-to-video
+    err = capsys.readouterr().err
+    assert "invalid choice: 'Wan2.2-I2V-A14B-Diffusers'" in err
+    for model_id in ("Qwen-Image", "Wan2.1-T2V-1.3B-Diffusers", A14B, TI2V):
+        assert model_id in err
+
+
+@pytest.mark.parametrize(
+    "model_id, message",
+    [
+        ("Wan2.1-T2V-1.3B-Diffusers", f"holds a {A14B} pipeline, not Wan2.1-T2V-1.3B"),
+        ("Qwen-Image", "holds no Qwen-Image pipeline"),
+    ],
+)
+def test_demo_refuses_a_model_dir_of_another_model(
+    wan_model_dir, model_id, message, capsys
+):
+    from sglang_train_parity.rollout_demo import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--model-id", model_id, "--model-dir", str(wan_model_dir)])
+    assert exit.value.code == 2
     assert message in capsys.readouterr().err
 
 

@@ -93,3 +93,32 @@ def test_verifier_refuses_what_it_cannot_compare():
         verify_rollout(record, {3: {"combined": torch.zeros(1)}})
     with pytest.raises(ValueError, match="this verifier reads"):
         verify_rollout({**record, "format": "v0"}, {})
+
+
+def test_each_step_is_checked_against_the_adapter_that_ran_it():
+    """Wan2.2 A14B: the trainer gives every step the adapter of the expert that ran it; a
+    step checked against another expert's is named a sync problem."""
+    from sglang.multimodal_gen.runtime.post_training.rollout_fingerprints import (
+        tensor_fingerprint,
+    )
+
+    outputs = {"combined": torch.zeros(2, dtype=torch.bfloat16)}
+    ran = ["high-noise", "high-noise", "low-noise"]
+    record = {
+        "format": "sglang-rollout-fingerprint/v1",
+        "steps": [
+            {
+                "step": step,
+                "adapter": adapter,
+                "combined": tensor_fingerprint(outputs["combined"]),
+            }
+            for step, adapter in enumerate(ran)
+        ],
+    }
+    steps = dict.fromkeys(range(3), outputs)
+    assert verify_rollout(record, steps, dict(enumerate(ran))).ok
+    verdict = verify_rollout(record, steps, dict.fromkeys(range(3), "high-noise"))
+    assert [check.step for check in verdict.steps if not check.equal] == [2]
+    assert "the engine ran another adapter than the trainer's" in verdict.explain()
+    with pytest.raises(ValueError, match=r"no trainer adapter given .* steps \[2\]"):
+        verify_rollout(record, steps, {0: "high-noise", 1: "high-noise"})

@@ -264,3 +264,24 @@ def test_server_options_that_break_parity_are_refused_at_startup(
         f"--numerics train_parity does not support {named}: "
     )
     prepare_server_args(argv[:4] + options)  # the default numerics serves them
+
+
+def test_trainer_checksums_use_the_served_dits_names():
+    """Wan's loader renames diffusers' parameters (sglang_train_parity.families); a rule that
+    packs parameters into one is refused: its checksum is not the trainer's to compute.
+    """
+    from sglang_train_parity.families import family_of
+    from sglang_train_parity.policy import served_names
+
+    from sglang.multimodal_gen.configs.models.dits.qwenimage import QwenImageArchConfig
+
+    wan = served_names(family_of("WanTransformer3DModel").param_names_mapping)
+    assert wan("blocks.0.attn1.to_q.weight") == "blocks.0.to_q.weight"
+    assert wan("blocks.1.ffn.net.0.proj.bias") == "blocks.1.ffn.fc_in.bias"
+    assert wan("blocks.0.attn2.to_k.weight") == "blocks.0.attn2.to_k.weight"
+    qwen = served_names(family_of("QwenImageTransformer2DModel").param_names_mapping)
+    name = "transformer_blocks.0.attn.add_q_proj.weight"
+    assert qwen(name) == name
+    packing = served_names(QwenImageArchConfig().param_names_mapping)
+    with pytest.raises(ValueError, match="sglang packs it into .*to_added_qkv"):
+        packing(name)

@@ -1,17 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tools need of each DiT family with a train_parity contract, in one record per
 trainer model class: the pipeline configs whose contracts the server accepts (declared in
-sglang), the diffusers class of the trainer's model, the trainer's LoRA targets and how sglang's
-modules pair with diffusers'. A family the server accepts and the tools do not know is a test
-failure (tests/test_families.py), and so is one the parity check does not run."""
+sglang), the diffusers class of the trainer's model, the trainer's LoRA targets, how sglang's
+modules pair with diffusers' and how the served DiT names the trainer's parameters. A family the
+server accepts and the tools do not know is a test failure (tests/test_families.py), and so is
+one the parity check does not run."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sglang_train_parity import reference, wan
 
+from sglang.multimodal_gen.configs.models.dits import WanVideoConfig
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
@@ -35,6 +37,9 @@ class Family:
     lora_targets: tuple[str, ...]
     # sglang module name -> its diffusers counterpart (how the outputs compare)
     pair_of: Callable[..., reference.ModulePair]
+    # diffusers parameter name -> the served DiT's, as sglang's loader renames them (regex
+    # rules of the DiT config's `param_names_mapping`); what trainer_policy_checksum takes
+    param_names_mapping: dict = field(hash=False)
 
     @property
     def contracts(self) -> tuple[TrainParityContract, ...]:
@@ -48,6 +53,9 @@ FAMILIES = (
         diffusers_class="QwenImageTransformer2DModel",
         lora_targets=reference.LORA_TARGETS,
         pair_of=reference.sglang_to_diffusers,
+        # diffusers' names: the loader's text Q/K/V packing applies only where the packed
+        # module exists, and the train_parity DiT has none
+        param_names_mapping={},
     ),
     Family(
         name="Wan (text-to-video)",
@@ -60,6 +68,7 @@ FAMILIES = (
         diffusers_class="WanTransformer3DModel",
         lora_targets=wan.LORA_TARGETS,
         pair_of=wan.sglang_to_diffusers,
+        param_names_mapping=WanVideoConfig().arch_config.param_names_mapping,
     ),
 )
 

@@ -17,6 +17,9 @@ A trainer that recomputes the steps anyway hashes its own tensors and compares::
 dimension dropped), by branch name: ``{"conditional": pos, "unconditional": neg, "combined":
 out}``; steps the trainer did not recompute are left out. ``trainer_adapter`` is
 ``trainer_policy_checksum(model, include_base=False)["adapter"]`` (sglang_train_parity.policy).
+A model of several experts (Wan2.2 A14B: ``transformer`` while t >= the boundary, then
+``transformer_2``) gives each recomputed step the adapter of the expert that ran it, by step
+index: ``{0: adapter_1, 1: adapter_1, 2: adapter_2, ...}``.
 """
 
 from __future__ import annotations
@@ -94,9 +97,11 @@ def step_fingerprints(outputs: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def verify_rollout(
     rollout_fingerprints: Mapping[str, Any] | None,
     trainer_steps: Mapping[int, Mapping[str, torch.Tensor]],
-    trainer_adapter: str | None = None,
+    trainer_adapter: str | Mapping[int, str] | None = None,
 ) -> Verdict:
-    """Compare a rollout's fingerprints with the trainer's outputs of the same steps."""
+    """Compare a rollout's fingerprints with the trainer's outputs of the same steps.
+    `trainer_adapter`: the adapter checksum every step ran with, or one per recomputed step
+    (by step index), or None not to compare adapters."""
     if not rollout_fingerprints:
         raise ValueError(
             "the rollout carries no fingerprints: serve with --numerics train_parity "
@@ -111,6 +116,15 @@ def verify_rollout(
     unknown = sorted(set(trainer_steps) - set(served))
     if unknown:
         raise ValueError(f"steps {unknown} are not in the rollout ({sorted(served)})")
+    if trainer_adapter is None or isinstance(trainer_adapter, str):
+        adapters = dict.fromkeys(trainer_steps, trainer_adapter)
+    else:
+        adapters = dict(trainer_adapter)
+        missing = sorted(set(trainer_steps) - set(adapters))
+        if missing:
+            raise ValueError(
+                f"no trainer adapter given for the recomputed steps {missing}"
+            )
     checks = []
     for step in sorted(trainer_steps):
         record = served[step]
@@ -122,8 +136,8 @@ def verify_rollout(
                 missing=[n for n in ours if n not in record],
                 adapter_equal=(
                     None
-                    if trainer_adapter is None
-                    else record["adapter"] == trainer_adapter
+                    if adapters[step] is None
+                    else record["adapter"] == adapters[step]
                 ),
             )
         )

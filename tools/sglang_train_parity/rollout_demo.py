@@ -2,18 +2,20 @@
 """``sglang-train-parity demo``: an RL rollout loop against a real sglang diffusion server,
 checked the way a trainer would check it.
 
-On a tiny random Qwen-Image pipeline built locally, it starts ``sglang serve`` on CPU (or the GPU
-with ``--device cuda``) with ``--numerics train_parity --lora-merge-mode dynamic``, then for each
-of N "optimizer steps" pushes a fresh random LoRA adapter (all 12 PEFT targets of every block)
-through ``/update_weights_from_tensor``, sent as the fp32 masters or as their bf16 copies
-(``--push-dtypes``, fp32 and bf16 in turn by default), requests a rollout with true CFG through
+On a tiny random pipeline built locally (``--model-id``: Qwen-Image by default, or a Wan
+text-to-video variant: `WanDemo`), it starts ``sglang serve`` on CPU (or the GPU with ``--device
+cuda``) with ``--numerics train_parity --lora-merge-mode dynamic``, then for each of N "optimizer
+steps" pushes a fresh random LoRA adapter (every PEFT target of every block; one per expert for
+Wan2.2 A14B) through ``/update_weights_from_tensor``, sent as the fp32 masters or as their bf16
+copies (``--push-dtypes``, fp32 and bf16 in turn by default), requests a CFG rollout through
 ``/rollout/generate`` as a production trainer does (per-step fingerprints, no debug tensors),
 recomputes every step with diffusers + PEFT under CUDA's autocast policy (emulated on CPU; real
 ``torch.autocast("cuda", bf16)`` with the ``_native_flash`` attention backend on the GPU) and checks
 the rollout's fingerprints against the recompute. The same loop against a ``--numerics default``
 server shows the difference train_parity removes: its fingerprints differ, and the same rollout
-requested again with its debug tensors shows by how much. The helpers here (server, push, rollout,
-recompute) are also the tests' client.
+requested again with its debug tensors shows by how much (a Wan default server gets the bf16
+copies: upstream's Wan LoRA forward fails on fp32 adapters). The helpers here (server, push,
+rollout, recompute) are also the tests' client.
 
 Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no installable package
 provides. To run a ``--numerics default`` server on CPU (as this demo does), put a directory on
@@ -43,38 +45,41 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from sglang_train_parity import wan
 
 if TYPE_CHECKING:
+    from sglang_train_parity.families import Family
     from sglang_train_parity.fingerprints import Verdict
 
     # (max and mean |rollout - trainer|, None when the fingerprints are equal; policy
     # checksum equal; the fingerprints' verdict)
     UpdateResult = tuple[float | None, float | None, bool, Verdict]
 
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "sglang-train-parity" / "tiny-qwen-image"
+MODEL_CACHE = Path.home() / ".cache" / "sglang-train-parity"
 LORA_RANK = 4
 # alpha / rank = 3: not a power of two, so the LoRA scaling rounds in bf16 as it does in training.
 LORA_ALPHA = 12
-ROLLOUT_REQUEST = dict(
+# What every rollout asks for; each family adds its sizes and CFG fields.
+ROLLOUT_COMMON = dict(
     prompt="a photo of a red cat on a tree",
     negative_prompt="blurry low quality",
     seed=42,
     generator_device="cpu",
-    width=64,
-    height=64,
     num_inference_steps=4,
-    true_cfg_scale=4.0,
     rollout=True,
     rollout_debug_mode=True,  # returns the per-step model outputs
     rollout_return_denoising_env=True,  # the text embeds and image shapes the DiT saw
     rollout_return_dit_trajectory=True,  # the latents and timesteps of every step
     rollout_return_fingerprints=True,  # per-step output hashes (on by default under train_parity)
 )
+# Qwen-Image's rollout, the client's default
+ROLLOUT_REQUEST = dict(ROLLOUT_COMMON, width=64, height=64, true_cfg_scale=4.0)
 SERVER_START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 300
 # See the module docstring: how a default-numerics server runs on CPU.
@@ -88,7 +93,7 @@ DEVICES = ("cpu", "cuda")
 # The request's `generator_device` per demo device. On the GPU the SDE rollout draws its variance
 # noise with the request's generator into a buffer on the GPU (flow_rollout_controller), which a
 # CPU generator cannot fill; the trainer's recompute reads the returned latents either way.
-GENERATOR_DEVICE = {"cpu": ROLLOUT_REQUEST["generator_device"], "cuda": "cuda"}
+GENERATOR_DEVICE = {"cpu": ROLLOUT_COMMON["generator_device"], "cuda": "cuda"}
 PUSH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PUSH_DTYPES = "fp32,bf16"  # cycled over the updates: fp32, bf16, fp32, ...
 
@@ -146,6 +151,7 @@ def serve(
     port: int | None = None,
     start_timeout: float = SERVER_START_TIMEOUT_S,
     *,
+    model_id: str = "Qwen-Image",
     device: str = "cpu",
     site_dir: Path | None = None,
     extra_args: tuple[str, ...] | list[str] = (),
@@ -153,11 +159,12 @@ def serve(
     """Start the server in its own process group, wait until healthy, and kill the whole
     group on exit, whatever happens (its workers are subprocesses).
 
-    `site_dir`: a folder holding a ``sitecustomize.py``, put first on the server's PYTHONPATH
-    (every server process runs it); without one, a ``--numerics default`` server on `device`
-    "cpu" gets the CPU kernels' (module docstring). `extra_args`: appended to the
-    ``sglang serve`` command. The server uses the GPU where torch sees one: `device` only
-    says which the caller expects.
+    `model_id`: sglang's model id for `model_dir` (which pipeline serves it). `site_dir`: a
+    folder holding a ``sitecustomize.py``, put first on the server's PYTHONPATH (every server
+    process runs it); without one, a ``--numerics default`` server on `device` "cpu" gets the
+    CPU kernels' (module docstring). `extra_args`: appended to the ``sglang serve`` command.
+    The server uses the GPU where torch sees one: `device` only says which the caller
+    expects.
     """
     import requests
 
@@ -174,7 +181,7 @@ def serve(
     command = [
         *_sglang_command(),
         "serve",
-        *("--model-path", str(model_dir), "--model-id", "Qwen-Image"),
+        *("--model-path", str(model_dir), "--model-id", model_id),
         *("--numerics", numerics, "--lora-merge-mode", "dynamic"),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--master-port", str(_free_port())),
@@ -264,8 +271,10 @@ def push_lora(
     rank: Any = LORA_RANK,
     alpha: Any = LORA_ALPHA,
     dtype: torch.dtype | None = None,
+    module: str = "transformer",
 ):
-    """POST the adapter as an RL trainer does after an optimizer step; returns the response.
+    """POST the adapter of the DiT `module` (an expert: ``transformer_2`` is Wan2.2 A14B's
+    low-noise one) as an RL trainer does after an optimizer step; returns the response.
     `dtype`: send the tensors cast to it (the trainer's bf16 copies of fp32 masters, say);
     None sends them as they are."""
     named = lora_state.items() if isinstance(lora_state, dict) else lora_state
@@ -275,7 +284,7 @@ def push_lora(
         "/update_weights_from_tensor",
         serialized_named_tensors=[encode_tensors([(k, v) for k, v in named])],
         weight_update_mode="lora_merge",  # the LoRA path; dynamic mode keeps it unmerged
-        target_modules=["transformer"],
+        target_modules=[module],
         lora_rank=rank,
         lora_alpha=alpha,
     )
@@ -287,11 +296,11 @@ def weights_checksum(server: Server) -> str:
     return response.json()["transformer"]
 
 
-def policy_checksum(server: Server) -> dict[str, str]:
-    """The served DiT's base weights and adapter state (sglang_train_parity.policy)."""
-    response = server.post("/get_policy_checksum", module_names=["transformer"])
+def policy_checksum(server: Server, module: str = "transformer") -> dict[str, str]:
+    """The served DiT `module`'s base weights and adapter state (sglang_train_parity.policy)."""
+    response = server.post("/get_policy_checksum", module_names=[module])
     response.raise_for_status()
-    return response.json()["transformer"]
+    return response.json()[module]
 
 
 def _decode(obj: Any) -> Any:
@@ -307,18 +316,22 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
-def request_rollout(server: Server, **overrides) -> dict[str, Any]:
-    """One rollout (one image); raises with the server's message on an error status."""
+def request_rollout(
+    server: Server, request: Mapping[str, Any] = ROLLOUT_REQUEST, **overrides
+) -> dict[str, Any]:
+    """One rollout (one image or video) of `request` updated by `overrides`; raises with the
+    server's message on an error status."""
     import msgspec
 
-    response = server.post("/rollout/generate", **{**ROLLOUT_REQUEST, **overrides})
+    response = server.post("/rollout/generate", **{**request, **overrides})
     if response.status_code != 200:
         raise RuntimeError(f"rollout failed ({response.status_code}): {response.text}")
     return _decode(msgspec.msgpack.decode(response.content))[0]
 
 
 def rollout_model_outputs(rollout: dict[str, Any]) -> torch.Tensor:
-    """[steps, tokens, channels] post-CFG model outputs the server used for each step."""
+    """The post-CFG model outputs the server used, one per step: [steps, tokens, channels]
+    (Qwen-Image), [steps, channels, frames, height, width] (Wan)."""
     return rollout["rollout_debug_tensors"]["rollout_model_outputs"]
 
 
@@ -328,11 +341,11 @@ def trainer_step_outputs(
     cfg_scale: float,
     device: str = "cpu",
 ) -> dict[int, dict[str, torch.Tensor]]:
-    """Every step's outputs as the trainer recomputes them from the rollout's returned inputs
-    (docs/numerics-contract.md), by step index: ``conditional`` and ``unconditional`` (the two
-    DiT forwards under autocast) and ``combined`` (``neg + s * (pos - neg)`` rescaled to the
-    conditional norm with fp32 norms), batch dimension dropped, on the CPU: what
-    ``sglang_train_parity.fingerprints.verify_rollout`` takes.
+    """Every step of a Qwen-Image rollout as the trainer recomputes it from the rollout's
+    returned inputs (docs/numerics-contract.md), by step index: ``conditional`` and
+    ``unconditional`` (the two DiT forwards under autocast) and ``combined`` (``neg + s * (pos -
+    neg)`` rescaled to the conditional norm with fp32 norms), batch dimension dropped, on the
+    CPU: what ``sglang_train_parity.fingerprints.verify_rollout`` takes.
 
     `device` "cpu": CUDA's autocast policy emulated on the CPU, diffusers' ``native``
     attention; "cuda": real ``torch.autocast("cuda", bf16)`` and ``_native_flash`` (`model`
@@ -390,65 +403,276 @@ def trainer_model_outputs(
 
 
 def random_adapters(
-    model_dir: Path, count: int, rank: int, alpha: float
+    model_dir: Path,
+    count: int,
+    rank: int,
+    alpha: float,
+    expert: str = "transformer",
+    first_seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """One fp32 master adapter per update, as after successive optimizer steps."""
-    from diffusers import QwenImageTransformer2DModel
+    """One fp32 master adapter of the DiT `expert` per update, as after successive optimizer
+    steps, on its family's trainer targets; seeds `first_seed`, `first_seed` + 1, ..."""
+    import diffusers
+    from sglang_train_parity.families import family_of
     from sglang_train_parity.reference import random_lora_state
 
-    model = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer")
-    return [random_lora_state(model, rank, alpha, seed=step) for step in range(count)]
+    config = json.loads((model_dir / expert / "config.json").read_text())
+    family = family_of(config["_class_name"])
+    model = getattr(diffusers, family.diffusers_class).from_pretrained(
+        model_dir / expert, torch_dtype=torch.float32
+    )
+    return [
+        random_lora_state(model, rank, alpha, first_seed + step, family.lora_targets)
+        for step in range(count)
+    ]
+
+
+class DemoError(Exception):
+    """A model folder that does not fit --model-id; reported like an argparse error."""
+
+
+def _family(model_dir: Path, name: str) -> Family:
+    """The family named `name` (sglang_train_parity.families), checked to be that of
+    `model_dir`'s DiT."""
+    from sglang_train_parity.families import family_of
+
+    config = model_dir / "transformer" / "config.json"
+    found = (
+        family_of(json.loads(config.read_text()).get("_class_name"))
+        if config.is_file()
+        else None
+    )
+    if found is None or found.name != name:
+        raise DemoError(
+            f"{model_dir} holds no {name} pipeline; give --model-dir a new folder (the "
+            "tiny model is built there) or one the demo built for this --model-id"
+        )
+    return found
+
+
+class QwenImageDemo:
+    """What the demo does for Qwen-Image: one DiT, 64x64 images, true CFG rescaled to the
+    conditional's norm (`trainer_step_outputs`)."""
+
+    family_name = "Qwen-Image"
+    model_ids = ("Qwen-Image",)
+    experts = ("transformer",)
+    request = ROLLOUT_REQUEST
+    # the default server takes the adapters as --push-dtypes sends them
+    default_push_dtype: str | None = None
+
+    def __init__(self, model_dir: Path, model_id: str) -> None:
+        self.model_dir, self.model_id = model_dir, model_id
+        self.family = _family(model_dir, self.family_name)
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        from sglang_train_parity.tiny_model import build_tiny_qwen_image
+
+        return build_tiny_qwen_image(root)
+
+    def trainer(self, expert, adapter, rank, alpha, device) -> torch.nn.Module:
+        from sglang_train_parity.reference import build_reference
+
+        return build_reference(
+            self.model_dir / expert, adapter, rank, alpha, device=device
+        )
+
+    def step_outputs(self, trainers, rollout, device):
+        """`trainer_step_outputs` of the rollout, and the expert of every step."""
+        cfg_scale = self.request["true_cfg_scale"]
+        steps = trainer_step_outputs(
+            trainers["transformer"], rollout, cfg_scale, device
+        )
+        return steps, dict.fromkeys(steps, "transformer")
+
+
+class WanDemo:
+    """What the demo does for Wan text-to-video: 5-frame videos of 2x2 tokens a latent frame,
+    CFG without a rescale, one adapter per expert. Wan2.2 A14B runs ``transformer`` with
+    ``guidance_scale`` while t >= its boundary, then ``transformer_2`` with
+    ``guidance_scale_2``: with 4 steps the rollout switches experts after the second."""
+
+    family_name = "Wan (text-to-video)"
+    model_ids = tuple(wan.TINY_VARIANTS)
+    # upstream's LoRA GEMM (lora/linear.py, _add_lora_delta_in_gemm) takes fp32 A and B next
+    # to bf16 activations, and the rollout fails ("self and mat2 must have the same dtype"):
+    # the default server gets the bf16 copies
+    default_push_dtype: str | None = "bf16"
+
+    def __init__(self, model_dir: Path, model_id: str) -> None:
+        # the check's reading of a Wan folder: its variant, experts, per-token timesteps
+        from sglang_train_parity.check import WanCheck
+
+        self.model_dir, self.model_id = model_dir, model_id
+        self.family = _family(model_dir, self.family_name)
+        found = WanCheck.model_id_of(model_dir)
+        if found != model_id:
+            raise DemoError(
+                f"{model_dir} holds a {found} pipeline, not {model_id}; give --model-dir "
+                "a new folder (the tiny model is built there) or one built for this "
+                "--model-id"
+            )
+        layout = WanCheck(model_dir, model_id)
+        self.experts = layout.experts(model_dir, model_id)
+        # diffusers' WanPipeline: one timestep per token where it expands them (TI2V-5B),
+        # the expert boundary on the scheduler's timestep scale
+        self.per_token = layout.per_token
+        index = json.loads((model_dir / "model_index.json").read_text())
+        scheduler = json.loads(
+            (model_dir / "scheduler" / "scheduler_config.json").read_text()
+        )
+        ratio = index.get("boundary_ratio")
+        self.boundary = (
+            None if ratio is None else ratio * scheduler["num_train_timesteps"]
+        )
+        self.request = dict(
+            ROLLOUT_COMMON,
+            # 2x2 tokens a latent frame
+            width=2 * layout.pixels_per_patch,
+            height=2 * layout.pixels_per_patch,
+            num_frames=5,  # 2 latent frames
+            # Wan's CFG field; sent always: a default would be one the trainer does not know
+            guidance_scale=4.0,
+        )
+        if len(self.experts) > 1:
+            # train_parity refuses unknown top-level fields: the low-noise expert's scale
+            # goes in extra_sampling_params
+            self.request["extra_sampling_params"] = {"guidance_scale_2": 3.0}
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        from sglang_train_parity.tiny_model import build_tiny_wan
+
+        return build_tiny_wan(root, model_id)
+
+    def trainer(self, expert, adapter, rank, alpha, device) -> torch.nn.Module:
+        from diffusers import WanTransformer3DModel
+
+        masters = WanTransformer3DModel.from_pretrained(
+            self.model_dir / expert, torch_dtype=torch.float32
+        )
+        return wan.build_reference(masters, adapter, rank, alpha, device)
+
+    def step_outputs(self, trainers, rollout, device):
+        """Every step recomputed as diffusers' WanPipeline calls its DiTs, by step index (as
+        `trainer_step_outputs`), and the expert of every step: the text embeds in the DiT's
+        dtype (bf16), the timestep raw on the 0..1000 scale (per token for TI2V-5B), the
+        expert and its scale by the boundary, ``neg + s * (pos - neg)``."""
+        env, trajectory = rollout["denoising_env"], rollout["dit_trajectory"]
+        text = {
+            branch: env[f"{branch}_cond_kwargs"]["encoder_hidden_states"][None].to(
+                torch.bfloat16
+            )
+            for branch in ("pos", "neg")
+        }
+        steps, experts = {}, {}
+        for step in range(len(trajectory["timesteps"]) - 1):
+            latents = trajectory["latents"][step][None]
+            timestep = trajectory["timesteps"][step].reshape(1).float()
+            high_noise = self.boundary is None or timestep.item() >= self.boundary
+            expert = wan.EXPERTS[0 if high_noise else 1]
+            scale = (
+                self.request["guidance_scale"]
+                if high_noise
+                else self.request["extra_sampling_params"]["guidance_scale_2"]
+            )
+            model = trainers[expert]
+            if self.per_token:
+                p_t, p_h, p_w = model.config.patch_size
+                _, _, frames, height, width = latents.shape
+                tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+                timestep = timestep.expand(1, tokens)
+            pos, neg = (
+                wan.reference_forward(
+                    model, wan.WanDiTInputs(latents, text[branch], timestep), device
+                )[0]
+                for branch in ("pos", "neg")
+            )
+            combined = neg + scale * (pos - neg)
+            steps[step] = {
+                "conditional": pos[0].cpu(),
+                "unconditional": neg[0].cpu(),
+                "combined": combined[0].cpu(),
+            }
+            experts[step] = expert
+        return steps, experts
+
+
+# family name (families.FAMILIES) -> what the demo does for it
+FAMILY_DEMOS = {demo.family_name: demo for demo in (QwenImageDemo, WanDemo)}
+DEMO_MODEL_IDS = tuple(i for demo in FAMILY_DEMOS.values() for i in demo.model_ids)
+
+
+def demo_for(model_id: str) -> type[QwenImageDemo] | type[WanDemo]:
+    """The demo of the family `model_id` (one of DEMO_MODEL_IDS) belongs to."""
+    return next(d for d in FAMILY_DEMOS.values() if model_id in d.model_ids)
+
+
+def default_model_dir(model_id: str) -> Path:
+    """Where the tiny model of `model_id` is built unless --model-dir says (as the check's)."""
+    return MODEL_CACHE / f"tiny-{model_id.lower()}"
 
 
 def parity_of_update(
     server: Server,
-    model_dir: Path,
-    adapter: dict[str, torch.Tensor],
+    demo: QwenImageDemo | WanDemo,
+    adapters: Mapping[str, dict[str, torch.Tensor]],
     rank: int,
     alpha: float,
     *,
     device: str = "cpu",
     push_dtype: torch.dtype | None = None,
     per_step: list[tuple[float, float]] | None = None,
+    experts_by_step: dict[int, str] | None = None,
     **rollout_overrides,
 ) -> UpdateResult:
-    """Push `adapter` (cast to `push_dtype` if given; the trainer keeps the fp32 masters), roll
-    out as in production (fingerprints, no debug tensors), recompute as the trainer on `device`
-    and verify the rollout's fingerprints against the trainer's outputs. Returns the max and
-    mean |rollout - trainer| of the post-CFG outputs (None when the fingerprints are equal:
-    then every step is bitwise equal), whether the server's policy checksum is the trainer's,
-    and the fingerprints' verdict. When the fingerprints differ, the same rollout is requested
-    again with its debug tensors to measure how far apart they are; `per_step`, if given, gets
-    each step's (max, mean) appended."""
+    """Push every expert's adapter of `adapters` (cast to `push_dtype` if given; the trainer
+    keeps the fp32 masters), roll out `demo.request` (updated by `rollout_overrides`) as in
+    production (fingerprints, no debug tensors), recompute as the trainer on `device` and
+    verify the rollout's fingerprints, each step against the adapter of the expert that ran
+    it. Returns the max and mean |rollout - trainer| of the post-CFG outputs (None when the
+    fingerprints are equal: then every step is bitwise equal), whether the server's policy
+    checksum of every expert is the trainer's, and the fingerprints' verdict. When the
+    fingerprints differ, the same rollout is requested again with its debug tensors to
+    measure how far apart they are; `per_step`, if given, gets each step's (max, mean)
+    appended, `experts_by_step` which expert ran each step."""
     from sglang_train_parity.fingerprints import verify_rollout
     from sglang_train_parity.policy import trainer_policy_checksum
-    from sglang_train_parity.reference import build_reference
 
-    response = push_lora(server, adapter, rank, alpha, dtype=push_dtype)
-    if not response.json().get("success"):
-        raise RuntimeError(f"adapter update refused: {response.text}")
-    trainer = build_reference(
-        model_dir / "transformer", adapter, rank, alpha, device=device
-    )
-    trainer_checksum = trainer_policy_checksum(trainer)
-    same_policy = policy_checksum(server) == trainer_checksum
-    cfg_scale = rollout_overrides.get(
-        "true_cfg_scale", ROLLOUT_REQUEST["true_cfg_scale"]
-    )
-    rollout = request_rollout(
-        server, **{**rollout_overrides, "rollout_debug_mode": False}
-    )
-    steps = trainer_step_outputs(trainer, rollout, cfg_scale, device=device)
+    for expert, adapter in adapters.items():
+        response = push_lora(
+            server, adapter, rank, alpha, dtype=push_dtype, module=expert
+        )
+        if not response.json().get("success"):
+            raise RuntimeError(f"{expert} adapter update refused: {response.text}")
+    trainers = {
+        expert: demo.trainer(expert, adapter, rank, alpha, device)
+        for expert, adapter in adapters.items()
+    }
+    checksums = {
+        expert: trainer_policy_checksum(
+            model, param_names_mapping=demo.family.param_names_mapping
+        )
+        for expert, model in trainers.items()
+    }
+    same_policy = all(policy_checksum(server, e) == checksums[e] for e in trainers)
+    request = {**demo.request, **rollout_overrides}
+    rollout = request_rollout(server, request, rollout_debug_mode=False)
+    steps, experts = demo.step_outputs(trainers, rollout, device)
+    if experts_by_step is not None:
+        experts_by_step.update(experts)
     verdict = verify_rollout(
-        rollout["rollout_fingerprints"], steps, trainer_checksum["adapter"]
+        rollout["rollout_fingerprints"],
+        steps,
+        {step: checksums[expert]["adapter"] for step, expert in experts.items()},
     )
     if verdict.ok:
         return None, None, same_policy, verdict
     # the explanation: the same rollout, with the tensors the fingerprints summarize
-    rollout = request_rollout(
-        server, **{**rollout_overrides, "rollout_debug_mode": True}
-    )
-    expected = trainer_model_outputs(trainer, rollout, cfg_scale, device=device)
+    rollout = request_rollout(server, request, rollout_debug_mode=True)
+    steps, _ = demo.step_outputs(trainers, rollout, device)
+    expected = torch.stack([steps[step]["combined"] for step in sorted(steps)])
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     if per_step is not None:
         per_step.extend((d.max().item(), d.mean().item()) for d in diff)
@@ -461,10 +685,36 @@ def _push_dtype_names(args: argparse.Namespace) -> list[str]:
     return [names[i % len(names)] for i in range(args.updates)]
 
 
+def _mode_push_dtypes(
+    args: argparse.Namespace, demo: QwenImageDemo | WanDemo, numerics: str
+) -> list[str]:
+    """What each update is sent as to the `numerics` server: `_push_dtype_names`, but
+    the family's `default_push_dtype` to the default server if it has one."""
+    if numerics == "default" and demo.default_push_dtype is not None:
+        return [demo.default_push_dtype] * args.updates
+    return _push_dtype_names(args)
+
+
+def _route(experts_by_step: Mapping[int, str]) -> str:
+    """Which expert ran which steps: "steps 0-1 transformer, 2-3 transformer_2"."""
+    runs: list[list] = []  # [first step, last step, expert]
+    for step in sorted(experts_by_step):
+        expert = experts_by_step[step]
+        if runs and runs[-1][2] == expert and runs[-1][1] == step - 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, expert])
+    return "steps " + ", ".join(
+        f"{first}-{last} {expert}" if first != last else f"{first} {expert}"
+        for first, last, expert in runs
+    )
+
+
 def _run_mode(
     numerics: str,
     args: argparse.Namespace,
-    adapters: list[dict[str, torch.Tensor]],
+    demo: QwenImageDemo | WanDemo,
+    adapters: list[dict[str, dict[str, torch.Tensor]]],
     log_dir: Path,
 ) -> list[UpdateResult]:
     device = args.device
@@ -474,16 +724,25 @@ def _run_mode(
     started = time.monotonic()
     results = []
     step_diffs = args.step_diffs.setdefault(numerics, [])
+    step_experts = args.step_experts.setdefault(numerics, [])
     extra_args = list(args.server_arg or [])
     if numerics == "default":
         extra_args += args.default_server_arg or []
     if extra_args:
         _log(f"[{numerics}] extra server arguments: {' '.join(extra_args)}")
+    dtypes = _mode_push_dtypes(args, demo, numerics)
+    if dtypes != _push_dtype_names(args):
+        _log(
+            f"[{numerics}] adapters pushed as {demo.default_push_dtype} whatever "
+            f"--push-dtypes says: with fp32 ones, upstream's {args.model_id} LoRA forward "
+            "fails (its LoRA GEMM mixes them with bf16 activations)"
+        )
     with serve(
-        args.model_dir,
+        demo.model_dir,
         numerics,
         log_dir,
         port=args.port,
+        model_id=args.model_id,
         device=device,
         site_dir=args.server_site,
         extra_args=extra_args,
@@ -492,28 +751,31 @@ def _run_mode(
             f"[{numerics}] server healthy at {server.url} after "
             f"{time.monotonic() - started:.0f} s"
         )
-        dtypes = _push_dtype_names(args)
-        for update, adapter in enumerate(adapters, 1):
+        for update, update_adapters in enumerate(adapters, 1):
             t0 = time.monotonic()
             dtype = dtypes[update - 1]
             steps: list[tuple[float, float]] = []
+            experts: dict[int, str] = {}
             max_diff, mean_diff, same_policy, verdict = parity_of_update(
                 server,
-                args.model_dir,
-                adapter,
+                demo,
+                update_adapters,
                 args.lora_rank,
                 args.lora_alpha,
                 device=device,
                 push_dtype=PUSH_DTYPES[dtype],
                 per_step=steps,
+                experts_by_step=experts,
                 generator_device=GENERATOR_DEVICE[device],
                 seed=update,
                 num_inference_steps=args.steps,
             )
+            route = f", {_route(experts)}" if len(demo.experts) > 1 else ""
+            per_expert = ", one per expert" if len(demo.experts) > 1 else ""
             _log(
-                f"[{numerics}] update {update}: adapter pushed as {dtype}, {args.steps}-step "
-                f"rollout checked ({time.monotonic() - t0:.1f} s): "
-                f"fingerprints={'equal' if verdict.ok else 'differ'} "
+                f"[{numerics}] update {update}: adapter pushed as {dtype}{per_expert}, "
+                f"{args.steps}-step rollout checked ({time.monotonic() - t0:.1f} s"
+                f"{route}): fingerprints={'equal' if verdict.ok else 'differ'} "
                 f"policy_checksum={'equal' if same_policy else 'differs'}"
             )
             _log(f"[{numerics}] update {update}: fingerprints: {verdict.explain()}")
@@ -525,6 +787,7 @@ def _run_mode(
                 )
             results.append((max_diff, mean_diff, same_policy, verdict))
             step_diffs.append(steps)
+            step_experts.append([experts[step] for step in sorted(experts)])
     _log(f"[{numerics}] server stopped")
     return results
 
@@ -573,10 +836,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="sglang-train-parity demo",
         description=(
             "End-to-end RL rollout check of --numerics train_parity: start the sglang "
-            "diffusion server on a tiny local Qwen-Image model (on the CPU, or the GPU with "
-            "--device cuda), push a new random LoRA adapter per update through "
+            "diffusion server on a tiny local model (Qwen-Image, or a Wan text-to-video "
+            "variant: --model-id) on the CPU, or the GPU with --device cuda, push a new "
+            "random LoRA adapter per update (per expert) through "
             "/update_weights_from_tensor (fp32 masters or their bf16 copies), request a "
-            "true-CFG rollout through /rollout/generate, recompute every step as the "
+            "CFG rollout through /rollout/generate, recompute every step as the "
             "trainer does (diffusers + PEFT under CUDA's autocast policy: emulated on the CPU, "
             "real torch.autocast on the GPU) and check the rollout's per-step fingerprints "
             "against it. Then the same with --numerics default. Exit status 0 only if "
@@ -592,11 +856,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "_native_flash attention) (default: %(default)s)",
     )
     parser.add_argument(
+        "--model-id",
+        choices=DEMO_MODEL_IDS,
+        default="Qwen-Image",
+        help="the tiny model: Qwen-Image, or a Wan text-to-video variant (Wan2.2 A14B: two "
+        "experts, each with its own adapter, switched inside the rollout) (default: "
+        "%(default)s)",
+    )
+    parser.add_argument(
         "--model-dir",
         type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help="tiny Qwen-Image pipeline folder; built there (about 11 MB, a few seconds) "
-        "unless it already holds one (default: %(default)s)",
+        help="the tiny pipeline's folder; built there (a few MB, seconds) unless it "
+        f"already holds one (default: {MODEL_CACHE}/tiny-<the model id in lower case>)",
     )
     parser.add_argument(
         "--updates",
@@ -621,7 +892,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=DEFAULT_PUSH_DTYPES,
         help="comma-separated dtypes (fp32: the trainer's masters, bf16: their bf16 "
         "copies) the adapters are sent as, cycled over the updates; the trainer always "
-        "holds the fp32 masters (default: %(default)s, so fp32, bf16, fp32, ...)",
+        "holds the fp32 masters (default: %(default)s, so fp32, bf16, fp32, ...). The Wan "
+        "--numerics default server gets bf16 only: with fp32 adapters upstream's Wan LoRA "
+        "forward fails",
     )
     parser.add_argument(
         "--skip-default",
@@ -676,6 +949,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    args.model_dir = args.model_dir or default_model_dir(args.model_id)
     return args
 
 
@@ -685,6 +959,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.argv = list(argv)
     args.step_diffs = {}  # numerics -> per update, per step (max, mean), for --report
+    args.step_experts = {}  # numerics -> per update, the expert of every step
+    try:
+        demo = _load_demo(args)
+    except DemoError as e:
+        print(f"sglang-train-parity demo: error: {e}", file=sys.stderr)
+        sys.exit(2)
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-train-parity-demo-"))
@@ -703,7 +983,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, interrupted)
     keep_logs = True  # for a failure's post-mortem
     try:
-        passed = _demo(args, log_dir)
+        passed = _demo(args, demo, log_dir)
         keep_logs = not passed or args.log_dir is not None
     finally:
         if keep_logs:
@@ -730,7 +1010,7 @@ def _versions(device: str) -> dict[str, Any]:
 
 def _write_report(
     args: argparse.Namespace,
-    dtypes: list[str],
+    demo: QwenImageDemo | WanDemo,
     parity: list[UpdateResult],
     default: list[UpdateResult],
     passed: bool,
@@ -738,10 +1018,13 @@ def _write_report(
 ) -> None:
     def rows(results, numerics):
         steps = args.step_diffs.get(numerics, [])
+        experts = args.step_experts.get(numerics, [])
+        dtypes = _mode_push_dtypes(args, demo, numerics)
         return [
             dict(
                 update=update,
                 pushed_as=dtypes[update - 1],
+                experts_by_step=experts[update - 1] if update <= len(experts) else None,
                 model_output_max_abs_diff=max_diff,
                 model_output_mean_abs_diff=mean_diff,
                 policy_checksum_equal=same,
@@ -756,12 +1039,14 @@ def _write_report(
 
     report = dict(
         command=["sglang-train-parity", "demo", *args.argv],
+        model_id=args.model_id,
+        experts=list(demo.experts),
         device=args.device,
         steps=args.steps,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
         rollout_request={
-            **ROLLOUT_REQUEST,
+            **demo.request,
             "num_inference_steps": args.steps,
             "generator_device": GENERATOR_DEVICE[args.device],
             "seed": "the update's number (1, 2, ...)",
@@ -785,34 +1070,59 @@ def _write_report(
     args.report.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
+def _load_demo(args: argparse.Namespace) -> QwenImageDemo | WanDemo:
+    """The demo of --model-id on its tiny model, built in --model-dir unless already there."""
     from diffusers.utils import logging as diffusers_logging
-    from sglang_train_parity.tiny_model import build_tiny_qwen_image
+    from transformers.utils import logging as transformers_logging
 
-    # diffusers' dtype and experimental-API notices would drown the progress lines
+    # diffusers' dtype and experimental-API notices, and the tiny model's save bars, would
+    # drown the progress lines
     diffusers_logging.set_verbosity_error()
     diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
 
-    action = (
-        "reusing" if (args.model_dir / "model_index.json").is_file() else "building"
+    demo_class = demo_for(args.model_id)
+    index = args.model_dir / "model_index.json"
+    before = index.stat().st_mtime_ns if index.is_file() else None
+    demo = demo_class(
+        demo_class.build_tiny(args.model_id, args.model_dir), args.model_id
     )
-    _log(f"{action} the tiny Qwen-Image pipeline in {args.model_dir}")
-    build_tiny_qwen_image(args.model_dir)
-    adapters = random_adapters(
-        args.model_dir, args.updates, args.lora_rank, args.lora_alpha
-    )
-    dtypes = _push_dtype_names(args)
+    action = "reused" if index.stat().st_mtime_ns == before else "built"
+    _log(f"the tiny {args.model_id} pipeline in {args.model_dir} ({action})")
+    return demo
+
+
+def _demo(
+    args: argparse.Namespace, demo: QwenImageDemo | WanDemo, log_dir: Path
+) -> bool:
+    # per expert, one adapter per update (its own seeds), then per update, every expert's
+    per_expert = {
+        expert: random_adapters(
+            demo.model_dir,
+            args.updates,
+            args.lora_rank,
+            args.lora_alpha,
+            expert,
+            first_seed=100 * index,
+        )
+        for index, expert in enumerate(demo.experts)
+    }
+    adapters = [
+        {e: per_expert[e][u] for e in demo.experts} for u in range(args.updates)
+    ]
     _log(
-        f"{args.updates} random LoRA adapters (one per optimizer step): rank "
-        f"{args.lora_rank}, alpha {args.lora_alpha:g}, {len(adapters[0])} fp32 "
-        "master tensors each (A and B of 12 targets in every block), sent as "
-        + ", ".join(dtypes)
+        f"{args.updates} random LoRA adapters (one per optimizer step"
+        f"{', for each of ' + ' and '.join(demo.experts) if len(demo.experts) > 1 else ''}"
+        f"): rank {args.lora_rank}, alpha {args.lora_alpha:g}, "
+        f"{len(adapters[0][demo.experts[0]])} fp32 master tensors each (A and B of "
+        f"{len(demo.family.lora_targets)} targets in every block), sent as "
+        + ", ".join(_push_dtype_names(args))
     )
-    parity = _run_mode("train_parity", args, adapters, log_dir)
+    parity = _run_mode("train_parity", args, demo, adapters, log_dir)
     default, default_error = [], None
     if not args.skip_default:
         try:
-            default = _run_mode("default", args, adapters, log_dir)
+            default = _run_mode("default", args, demo, adapters, log_dir)
         except Exception as exc:  # noqa: BLE001 - reported, and the demo fails
             # train_parity's results still get their table and report
             default_error = f"{type(exc).__name__}: {exc}"
@@ -846,5 +1156,5 @@ def _demo(args: argparse.Namespace, log_dir: Path) -> bool:
         )
     passed = parity_exact and default_differs and default_error is None
     if args.report is not None:
-        _write_report(args, dtypes, parity, default, passed, default_error)
+        _write_report(args, demo, parity, default, passed, default_error)
     return passed

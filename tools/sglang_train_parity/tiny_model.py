@@ -1,9 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A tiny random Qwen-Image pipeline in diffusers layout, built locally (nothing is downloaded):
-a 2-block DiT (head_dim 128, as the RoPE axes need), a tiny VAE, a 2-layer Qwen2.5-VL text
-encoder, a byte-level BPE tokenizer trained on the prompt templates, and Qwen-Image's scheduler.
-About 11 MB, a few seconds to build. The folder name should contain "qwen-image" (sglang detects
-the model family from it) or the server be started with ``--model-id Qwen-Image``.
+"""Tiny random pipelines in diffusers layout, built locally (nothing is downloaded).
+
+Qwen-Image (`build_tiny_qwen_image`): a 2-block DiT (head_dim 128, as the RoPE axes need), a tiny
+VAE, a 2-layer Qwen2.5-VL text encoder, a byte-level BPE tokenizer trained on the prompt templates,
+and Qwen-Image's scheduler. About 11 MB, a few seconds to build. The folder name should contain
+"qwen-image" (sglang detects the model family from it) or the server be started with
+``--model-id Qwen-Image``.
+
+Wan text-to-video (`build_tiny_wan`): the variant's tiny DiT(s) (sglang_train_parity.wan), a
+2-layer UMT5 encoder, a Unigram tokenizer (T5's kind, trained here: no sentencepiece model), a tiny
+Wan VAE (Wan2.2's for TI2V-5B) and a UniPC scheduler. Start the server with the variant's
+``--model-id``.
 """
 
 from __future__ import annotations
@@ -288,4 +295,134 @@ def build_tiny_qwen_image(root: Path) -> Path:
     build_scheduler(root / "scheduler")
     # written last: its presence marks a complete model
     (root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
+    return root
+
+
+# The Wan VAEs at tiny widths: Wan2.1's (z 16, 8x spatial) and Wan2.2 TI2V-5B's (z 48, residual,
+# 2x2 pixel patches: 16x spatial). Identity latent statistics: the demo checks the DiT, not images.
+WAN_VAE_CONFIG = dict(
+    base_dim=8,
+    z_dim=16,
+    dim_mult=[1, 2, 2, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+)
+WAN22_VAE_CONFIG = dict(
+    WAN_VAE_CONFIG,
+    decoder_base_dim=8,
+    z_dim=48,
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+# each variant's flow_shift, as in its sglang pipeline config
+WAN_FLOW_SHIFT = {
+    "Wan2.1-T2V-1.3B-Diffusers": 3.0,
+    "Wan2.2-T2V-A14B-Diffusers": 12.0,
+    "Wan2.2-TI2V-5B-Diffusers": 5.0,
+}
+
+
+def build_t5_tokenizer(out: Path):
+    """A Unigram tokenizer (sentencepiece's model) trained on the prompt words, wrapped as
+    T5TokenizerFast with T5's special tokens (pad 0, eos 1, unk 2), eos appended."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import T5TokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(
+        vocab_size=120,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        unk_token="<unk>",
+        show_progress=False,
+    )
+    tok.train_from_iterator([PROMPT_WORDS] * 50, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>",
+        pair="$A </s> $B </s>",
+        special_tokens=[("</s>", tok.token_to_id("</s>"))],
+    )
+    hf = T5TokenizerFast(
+        tokenizer_object=tok,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_ids=0,
+    )
+    hf.model_max_length = 512  # Wan pads every prompt to 512 tokens
+    hf.save_pretrained(out)
+    return hf
+
+
+def build_umt5_encoder(out: Path, vocab_size: int, d_model: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED + 11)
+    UMT5EncoderModel(config).to(torch.bfloat16).eval().save_pretrained(out)
+
+
+def build_tiny_wan(root: Path, model_id: str) -> Path:
+    """The whole Wan pipeline of `model_id` (a key of wan.TINY_VARIANTS) under `root`; reused if
+    already complete. A folder holding only the DiTs (sglang-train-parity check's tiny model) is
+    completed around the same DiTs. About 2 MB, seconds."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from sglang_train_parity import wan
+
+    index_file = root / "model_index.json"
+    if index_file.is_file() and "vae" in json.loads(index_file.read_text()):
+        return root
+    wan.build_tiny_dits(root, model_id)  # the DiT(s) and their model_index.json entries
+    index = json.loads(index_file.read_text())
+    tok = build_t5_tokenizer(root / "tokenizer")
+    build_umt5_encoder(root / "text_encoder", len(tok), wan.TINY_CONFIG["text_dim"])
+    torch.manual_seed(SEED + 12)
+    ti2v = index.get("expand_timesteps", False)
+    AutoencoderKLWan(**(WAN22_VAE_CONFIG if ti2v else WAN_VAE_CONFIG)).save_pretrained(
+        root / "vae"
+    )
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=WAN_FLOW_SHIFT[model_id],
+        num_train_timesteps=1000,
+    ).save_pretrained(root / "scheduler")
+    index.update(
+        scheduler=["diffusers", "UniPCMultistepScheduler"],
+        text_encoder=["transformers", "UMT5EncoderModel"],
+        tokenizer=["transformers", "T5TokenizerFast"],
+        vae=["diffusers", "AutoencoderKLWan"],
+    )
+    # a one-expert variant names the absent second expert, as its published folder does
+    index.setdefault("transformer_2", [None, None])
+    # rewritten last: its vae entry marks a complete pipeline
+    index_file.write_text(json.dumps(index, indent=2))
     return root

@@ -313,11 +313,11 @@ TINY_VARIANTS = {
 def build_tiny_dits(root: Path, model_id: str) -> Path:
     """The DiT(s) of `model_id` as tiny random fp32 masters in a diffusers-layout folder (a
     model_index.json and one folder per expert), for sglang's transformer loader. Seconds."""
-    config, experts, index = TINY_VARIANTS[model_id]
+    config, experts, entries = TINY_VARIANTS[model_id]
     root.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1", **entries}
     for seed, expert in enumerate(experts):
         random_transformer(seed, **config).save_pretrained(root / expert)
         index[expert] = ["diffusers", "WanTransformer3DModel"]
-    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1", **index}
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
