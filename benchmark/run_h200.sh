@@ -5,10 +5,11 @@
 #
 # wan: wan-parity, then wan-speed (one device call for both).
 #
-# demo: `sglang-train-parity demo --device cuda`, the real `sglang serve` on the GPU (train_parity,
+# demo: `sglang-train-parity demo --device cuda` (DEMO_MODEL_ID: the tiny model, default Qwen-Image,
+# e.g. Wan2.2-T2V-A14B-Diffusers), the real `sglang serve` on the GPU (train_parity,
 # then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
-# not part of `all`; it also runs `fingerprints` (benchmark/fingerprint_cost.py: what per-step rollout
-# fingerprints cost at real Qwen-Image sizes).
+# not part of `all`; without DEMO_MODEL_ID it also runs `fingerprints` (benchmark/fingerprint_cost.py:
+# what per-step rollout fingerprints cost at real Qwen-Image sizes).
 #
 # Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
 # built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
@@ -61,7 +62,7 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
     echo "speed exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
 fi
-if [ "$what" = fingerprints ] || [ "$what" = demo ]; then
+if [ "$what" = fingerprints ] || { [ "$what" = demo ] && [ -z "${DEMO_MODEL_ID:-}" ]; }; then
     # what rollout fingerprints cost per step at real Qwen-Image sizes (60 blocks' LoRA r64 adapters)
     timeout "${FINGERPRINT_TIMEOUT:-150}" python3 -c 'import runpy, sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
@@ -81,7 +82,8 @@ if [ "$what" = demo ]; then
     : >"$SGLANG_TP_HARNESS_LOG"
     PYTHONPATH="$PWD/benchmark/demo_site:$PYTHONPATH" timeout "${DEMO_TIMEOUT:-480}" python3 -c 'import sys
 from sglang_train_parity.cli import main; sys.argv[0] = "sglang-train-parity"; main()' \
-        demo --device cuda --server-site benchmark/demo_site --model-dir /tmp/tiny-qwen-image \
+        demo --device cuda --server-site benchmark/demo_site --model-id "${DEMO_MODEL_ID:-Qwen-Image}" \
+        --model-dir "/tmp/tiny-${DEMO_MODEL_ID:-Qwen-Image}" \
         --updates 3 --steps "${DEMO_STEPS:-4}" --push-dtypes fp32,bf16,fp32 \
         --default-server-arg=--attention-backend --default-server-arg=torch_sdpa \
         --log-dir "$OUT/demo-logs" --report "$OUT/demo.json" >"$OUT/demo.log" 2>&1
