@@ -72,25 +72,21 @@ def live_processes(tag: str) -> list[int]:
     return pids
 
 
+def run_demo(env: dict[str, str], *args: str, timeout: float = 480):
+    """The demo in its own process, as a user starts it; fails the test on a non-zero exit."""
+    result = subprocess.run(
+        [*DEMO, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return result
+
+
 def test_demo_train_parity_is_exact_and_default_is_not(model_dir, tmp_path):
     env, tag = tagged_env(tmp_path)
     report = tmp_path / "report.json"
-    result = subprocess.run(
-        [
-            *DEMO,
-            "--model-dir",
-            str(model_dir),
-            "--updates",
-            "3",
-            "--report",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env=env,
+    result = run_demo(
+        env, "--model-dir", str(model_dir), "--updates", "3", "--report", str(report)
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = UPDATE_LINE.findall(result.stdout)
     checks = {
         (mode, int(update)): (fp, checksum) for mode, update, _, fp, checksum in lines
@@ -141,18 +137,11 @@ def test_wan_a14b_demo_is_exact_on_both_experts_and_default_is_not(
     """
     env, tag = tagged_env(tmp_path)
     report = tmp_path / "report.json"
-    result = subprocess.run(
-        [
-            *DEMO,
-            *("--model-id", A14B, "--model-dir", str(wan_model_dir)),
-            *("--updates", "3", "--report", str(report)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=480,
-        env=env,
+    result = run_demo(
+        env,
+        *("--model-id", A14B, "--model-dir", str(wan_model_dir)),
+        *("--updates", "3", "--report", str(report)),
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = UPDATE_LINE.findall(result.stdout)
     assert [(m, int(u), d, fp, cs) for m, u, d, fp, cs in lines] == [
         ("train_parity", 1, "fp32", "equal", "equal"),
@@ -195,18 +184,12 @@ def test_wan_ti2v_demo_is_exact_with_per_token_timesteps(tmp_path):
     """Wan2.2 TI2V-5B: 48 latent channels, its own VAE, one timestep per token (train_parity
     only: the default comparison runs on A14B above)."""
     env, tag = tagged_env(tmp_path)
-    result = subprocess.run(
-        [
-            *DEMO,
-            *("--model-id", TI2V, "--model-dir", str(tmp_path / "tiny-ti2v")),
-            *("--updates", "2", "--skip-default"),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_demo(
+        env,
+        *("--model-id", TI2V, "--model-dir", str(tmp_path / "tiny-ti2v")),
+        *("--updates", "2", "--skip-default"),
         timeout=300,
-        env=env,
     )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert [
         (m, int(u), d, fp, cs) for m, u, d, fp, cs in UPDATE_LINE.findall(result.stdout)
     ] == [
