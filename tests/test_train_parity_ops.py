@@ -20,7 +20,6 @@ from unittest.mock import patch  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402

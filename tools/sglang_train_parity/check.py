@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -38,7 +37,7 @@ from sglang_train_parity.sglang_dit import (
     sglang_forward,
     wrap_linears_for_lora,
 )
-from sglang_train_parity.tiny_model import build_tiny_qwen_image
+from sglang_train_parity.tiny_model import build_tiny_qwen_image, default_model_dir
 from tqdm import tqdm
 
 from sglang.multimodal_gen.runtime.utils.train_parity import (
@@ -189,11 +188,6 @@ TINY_MODEL_IDS = tuple(
 def _model_index(model_dir: Path) -> dict:
     index = model_dir / "model_index.json"
     return json.loads(index.read_text()) if index.is_file() else {}
-
-
-def default_model_dir(model_id: str = "Qwen-Image") -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "sglang-train-parity" / f"tiny-{model_id.lower()}"
 
 
 def comma_list(convert):

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from sglang_train_parity import wan
+from sglang_train_parity.tiny_model import default_model_dir
 
 if TYPE_CHECKING:
     from sglang_train_parity.families import Family
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     # checksum equal; the fingerprints' verdict)
     UpdateResult = tuple[float | None, float | None, bool, Verdict]
 
-MODEL_CACHE = Path.home() / ".cache" / "sglang-train-parity"
 LORA_RANK = 4
 # alpha / rank = 3: not a power of two, so the LoRA scaling rounds in bf16 as it does in training.
 LORA_ALPHA = 12
@@ -609,11 +609,6 @@ def demo_for(model_id: str) -> type[QwenImageDemo] | type[WanDemo]:
     return next(d for d in FAMILY_DEMOS.values() if model_id in d.model_ids)
 
 
-def default_model_dir(model_id: str) -> Path:
-    """Where the tiny model of `model_id` is built unless --model-dir says (as the check's)."""
-    return MODEL_CACHE / f"tiny-{model_id.lower()}"
-
-
 def parity_of_update(
     server: Server,
     demo: QwenImageDemo | WanDemo,
@@ -867,7 +862,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--model-dir",
         type=Path,
         help="the tiny pipeline's folder; built there (a few MB, seconds) unless it "
-        f"already holds one (default: {MODEL_CACHE}/tiny-<the model id in lower case>)",
+        f"already holds one (default: {default_model_dir('<model id in lower case>')})",
     )
     parser.add_argument(
         "--updates",

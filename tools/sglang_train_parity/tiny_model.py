@@ -16,6 +16,7 @@ Wan VAE (Wan2.2's for TI2V-5B) and a UniPC scheduler. Start the server with the 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -281,6 +282,13 @@ def build_scheduler(out: Path):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG).save_pretrained(out)
+
+
+def default_model_dir(model_id: str) -> Path:
+    """Where the tools build the tiny model of `model_id` unless told otherwise (shared by the
+    check and the demo)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "sglang-train-parity" / f"tiny-{model_id.lower()}"
 
 
 def build_tiny_qwen_image(root: Path) -> Path:
