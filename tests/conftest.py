@@ -1,5 +1,5 @@
 """Shared fixtures: the pinned upstream wheel, the fork's wheel, pristine upstream trees, and
-upstream's unit suite running beside the other tests."""
+the series review and upstream's unit suite running beside the other tests."""
 
 from __future__ import annotations
 
@@ -47,25 +47,39 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 REPO = Path(__file__).resolve().parent.parent
-UPSTREAM_SUITE_TEST = "test_upstream_suite.py"
-# `python -m forktools upstream-suite`, started as soon as its test is collected
-upstream_suite_run = pytest.StashKey[subprocess.Popen]()
+# test -> the `python -m forktools` command it waits for. Each takes minutes on two cores, mostly
+# in processes that wait on each other: it starts as soon as its test is collected and runs beside
+# the other tests.
+BACKGROUND_COMMANDS = {
+    "test_no_upstream_test_regresses": "upstream-suite",  # upstream's unit suite on the fork
+    "test_upstream_diff_is_reviewable_on_its_own": "review",  # each upstream diff on its own
+}
+background_runs = pytest.StashKey[dict[str, subprocess.Popen]]()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Upstream's unit suite takes about ten minutes on two cores, mostly in processes that
-    wait on each other: it runs beside the other tests, and its test waits for it."""
-    if any(item.path.name == UPSTREAM_SUITE_TEST for item in items):
-        config.stash[upstream_suite_run] = subprocess.Popen(
-            [sys.executable, "-m", "forktools", "upstream-suite"],
+    collected = {item.originalname for item in items}
+    config.stash[background_runs] = {
+        command: subprocess.Popen(
+            [sys.executable, "-m", "forktools", command],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
+        for test, command in BACKGROUND_COMMANDS.items()
+        if test in collected
+    }
+
+
+def background_output(config, command: str, timeout: float = 3600) -> tuple[int, str]:
+    """The exit status and output of the background `command` (BACKGROUND_COMMANDS)."""
+    process = config.stash[background_runs][command]
+    output, _ = process.communicate(timeout=timeout)
+    return process.returncode, output
 
 
 def pytest_unconfigure(config):
-    process = config.stash.get(upstream_suite_run, None)
-    if process is not None and process.poll() is None:
-        process.kill()
+    for process in config.stash.get(background_runs, {}).values():
+        if process.poll() is None:
+            process.kill()
