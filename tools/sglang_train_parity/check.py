@@ -46,7 +46,7 @@ from sglang.multimodal_gen.runtime.utils.train_parity import (
 )
 
 # pixels per latent patch side: VAE downsampling (8) x patch size (2); Wan2.2 TI2V-5B's VAE
-# downsamples by 16 (WanCheck.pixels_per_patch)
+# downsamples by 16 (wan.WanLayout.pixels_per_patch)
 LATENT_PIXELS = 16
 NO_ULP = "-"  # shown for pairs that are not bf16 (RoPE tables, fp32 projections)
 ROTARY_EMB = "rotary_emb"
@@ -131,18 +131,13 @@ class WanCheck:
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_id = model_id
-        self.per_token = bool(_model_index(model_dir).get("expand_timesteps"))
-        # VAE downsampling (8; 16 for TI2V-5B's VAE) x the DiT's patch (2)
-        self.pixels_per_patch = 32 if self.per_token else 16
+        layout = wan.WanLayout.of(model_dir)
+        self.per_token = layout.per_token_timesteps
+        self.pixels_per_patch = layout.pixels_per_patch
 
     @staticmethod
     def model_id_of(model_dir: Path) -> str:
-        """The sglang model id whose pipeline serves this folder's layout."""
-        if _model_index(model_dir).get("expand_timesteps"):
-            return "Wan2.2-TI2V-5B-Diffusers"
-        if (model_dir / wan.EXPERTS[1]).is_dir():
-            return "Wan2.2-T2V-A14B-Diffusers"
-        return "Wan2.1-T2V-1.3B-Diffusers"
+        return wan.WanLayout.of(model_dir).model_id
 
     @staticmethod
     def build_tiny(model_id: str, root: Path) -> Path:
@@ -155,7 +150,7 @@ class WanCheck:
         """The folder's DiTs; without a folder, those of the embedded tiny model."""
         if model_dir is None:
             return wan.TINY_VARIANTS[model_id][1]
-        return tuple(e for e in wan.EXPERTS if (model_dir / e).is_dir())
+        return wan.WanLayout.of(model_dir).experts
 
     @staticmethod
     def reference(masters, state, rank, alpha, device, rope_tables):
@@ -183,11 +178,6 @@ FAMILY_CHECKS = {"Qwen-Image": QwenImageCheck, "Wan (text-to-video)": WanCheck}
 TINY_MODEL_IDS = tuple(
     i for check in FAMILY_CHECKS.values() for i in check.tiny_model_ids
 )
-
-
-def _model_index(model_dir: Path) -> dict:
-    index = model_dir / "model_index.json"
-    return json.loads(index.read_text()) if index.is_file() else {}
 
 
 def comma_list(convert):

@@ -501,28 +501,23 @@ class WanDemo:
     default_push_dtype: str | None = "bf16"
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
-        # the check's reading of a Wan folder: its variant, experts, per-token timesteps
-        from sglang_train_parity.check import WanCheck
-
         self.model_dir, self.model_id = model_dir, model_id
         self.family = _family(model_dir, self.family_name)
-        found = WanCheck.model_id_of(model_dir)
-        if found != model_id:
+        layout = wan.WanLayout.of(model_dir)
+        if layout.model_id != model_id:
             raise DemoError(
-                f"{model_dir} holds a {found} pipeline, not {model_id}; give --model-dir "
-                "a new folder (the tiny model is built there) or one built for this "
-                "--model-id"
+                f"{model_dir} holds a {layout.model_id} pipeline, not {model_id}; give "
+                "--model-dir a new folder (the tiny model is built there) or one built for "
+                "this --model-id"
             )
-        layout = WanCheck(model_dir, model_id)
-        self.experts = layout.experts(model_dir, model_id)
+        self.experts = layout.experts
         # diffusers' WanPipeline: one timestep per token where it expands them (TI2V-5B),
         # the expert boundary on the scheduler's timestep scale
-        self.per_token = layout.per_token
-        index = json.loads((model_dir / "model_index.json").read_text())
+        self.per_token = layout.per_token_timesteps
         scheduler = json.loads(
             (model_dir / "scheduler" / "scheduler_config.json").read_text()
         )
-        ratio = index.get("boundary_ratio")
+        ratio = layout.boundary_ratio
         self.boundary = (
             None if ratio is None else ratio * scheduler["num_train_timesteps"]
         )

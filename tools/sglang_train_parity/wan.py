@@ -310,6 +310,35 @@ TINY_VARIANTS = {
 }
 
 
+@dataclass(frozen=True)
+class WanLayout:
+    """What a Wan diffusers-layout folder says of its variant, as its pipeline reads it."""
+
+    model_id: str  # the sglang model id whose pipeline serves this layout
+    experts: tuple[str, ...]  # the DiT components present
+    per_token_timesteps: bool  # TI2V-5B: the pipeline expands the timestep per token
+    boundary_ratio: float | None  # A14B: the expert switch, as a share of the timesteps
+
+    @property
+    def pixels_per_patch(self) -> int:
+        """VAE downsampling (8; 16 for TI2V-5B's VAE) x the DiT's patch (2)."""
+        return 32 if self.per_token_timesteps else 16
+
+    @classmethod
+    def of(cls, model_dir: Path) -> WanLayout:
+        index_file = model_dir / "model_index.json"
+        index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+        experts = tuple(e for e in EXPERTS if (model_dir / e).is_dir())
+        per_token = bool(index.get("expand_timesteps"))
+        if per_token:
+            model_id = "Wan2.2-TI2V-5B-Diffusers"
+        elif EXPERTS[1] in experts:
+            model_id = "Wan2.2-T2V-A14B-Diffusers"
+        else:
+            model_id = "Wan2.1-T2V-1.3B-Diffusers"
+        return cls(model_id, experts, per_token, index.get("boundary_ratio"))
+
+
 def build_tiny_dits(root: Path, model_id: str) -> Path:
     """The DiT(s) of `model_id` as tiny random fp32 masters in a diffusers-layout folder (a
     model_index.json and one folder per expert), for sglang's transformer loader. Seconds."""
