@@ -143,8 +143,9 @@ def write_config_only_model_dir(
     with torch.device("meta"):
         model = getattr(diffusers, model_cls)(**config)
     model.save_config(root / "transformer")
+    name, param = min(model.named_parameters(), key=lambda item: item[1].numel())
     save_file(
-        {"proj_out.bias": torch.zeros(model.proj_out.bias.shape, dtype=torch.bfloat16)},
+        {name: torch.zeros(param.shape, dtype=torch.bfloat16)},
         str(root / "transformer" / "diffusion_pytorch_model.safetensors"),
     )
     (root / "model_index.json").write_text(json.dumps(model_index, indent=1))
@@ -314,8 +315,17 @@ class DefaultPathHarness:
       falsy: the caller keeps its unfused path).
     * quality: the request default tier (`lossless`) is mounted as the denoising stage would.
     * JIT kernels: with jit=off the build is refused and upstream's can_use_* predicates already
-      pick their unfused branch; the harness only records that the policy was on.
+      pick their unfused branch; the harness only records that the policy was on. Where a DiT
+      module (Qwen-Image 2.1's) imports a JIT kernel whose predicate does not check that it can
+      be built, the module's `can_use_*_cuda` predicates answer False and its `JIT_EAGER` kernels
+      are replaced by the eager formula their own unsupported-layout branch computes; each
+      replacement is recorded.
     """
+
+    # JIT kernels a DiT module calls without a fallback of its own -> upstream's eager branch
+    JIT_EAGER = {
+        "residual_gate_add": lambda residual, update, gate: residual + update * gate
+    }
 
     def __init__(self) -> None:
         self.fallbacks: dict[tuple[str, str, str], dict] = {}
@@ -351,6 +361,19 @@ class DefaultPathHarness:
         kernels = getattr(dit_module, "diffusion_kernels", None)
         if kernels is not None:
             dit_module.diffusion_kernels = _KernelsWithGuardedPredicates(kernels, self)
+        if os.environ.get("SGLANG_CRASH_ON_JIT_COMPILE") == "1":
+            self._skip_jit_kernels(dit_module)
+
+    def _skip_jit_kernels(self, dit_module) -> None:
+        refused = RuntimeError("JIT builds refused (SGLANG_CRASH_ON_JIT_COMPILE=1)")
+        for attr in dir(dit_module):
+            if attr.startswith("can_use_") and attr.endswith("_cuda"):
+                setattr(dit_module, attr, lambda *args, **kwargs: False)
+                self._log(attr, attr, refused, "", "False (caller's unfused path)")
+        for attr, eager in self.JIT_EAGER.items():
+            if callable(getattr(dit_module, attr, None)):
+                setattr(dit_module, attr, eager)
+                self._log(attr, attr, refused, "", "the kernel's eager formula")
 
     def _wrap_op(self, name: str, module) -> None:
         original = module._forward_method

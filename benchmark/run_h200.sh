@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
-#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|all]
+#   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
+#                               qwen21-unit|qwen21-parity|qwen21-speed|all]
 #
-# wan: wan-parity, then wan-speed (one device call for both).
+# wan: wan-parity, then wan-speed (one device call for both). qwen21-unit: the fork's Qwen-Image 2.1
+# unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too.
 #
 # demo: `sglang-train-parity demo --device cuda` (DEMO_MODEL_ID: the tiny model, default Qwen-Image,
 # e.g. Wan2.2-T2V-A14B-Diffusers), the real `sglang serve` on the GPU (train_parity,
@@ -46,6 +48,33 @@ if [ "$what" = wan-parity ] || [ "$what" = wan ]; then
     wrc=$?
     echo "gpu_parity_wan exit $wrc"; rc=$((rc | wrc))
     grep -E "^wan|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_wan.log" | tail -30
+fi
+if [ "$what" = qwen21-unit ] || [ "$what" = qwen21-parity ]; then
+    # with the stand-ins for the packages the image lacks; the image's own pytest plugins are
+    # not for this pytest
+    site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${QWEN21_UNIT_TIMEOUT:-120}" python3 -c 'import sys; sys.path.insert(0, ".")
+from benchmark import gpu_standins; gpu_standins.install()
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
+        "$site/multimodal_gen/test/unit/test_qwen_image21_train_parity.py" >"$OUT/qwen21_unit.log" 2>&1
+    urc=$?
+    echo "qwen21 unit tests exit $urc"; rc=$((rc | urc))
+    tail -3 "$OUT/qwen21_unit.log"
+fi
+if [ "$what" = qwen21-parity ]; then
+    timeout "${QWEN21_PARITY_TIMEOUT:-400}" python3 benchmark/gpu_parity_qwen21.py --out "$OUT/gpu_parity_qwen21.json" \
+        --budget-s "${QWEN21_PARITY_BUDGET:-300}" >"$OUT/gpu_parity_qwen21.log" 2>&1
+    qrc=$?
+    echo "gpu_parity_qwen21 exit $qrc"; rc=$((rc | qrc))
+    grep -E "^qwen-image|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_qwen21.log" | tail -30
+fi
+if [ "$what" = qwen21-speed ]; then
+    timeout "${QWEN21_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family qwen-image-2.1 \
+        --out "$OUT/speed_qwen21.json" --steps "${QWEN21_SPEED_STEPS:-10}" --warmup 2 \
+        --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" >"$OUT/speed_qwen21.log" 2>&1
+    src=$?
+    echo "speed (qwen-image-2.1) exit $src"; rc=$((rc | src))
+    grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_qwen21.log" | tail -30
 fi
 if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
     timeout "${WAN_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family wan --out "$OUT/speed_wan.json" \

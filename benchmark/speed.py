@@ -16,6 +16,11 @@ GPU memory, then one profiled step (torch.profiler) broken down by kernel family
 
     python benchmark/speed.py [--device cuda|cpu] [--tiny] [--layers 60] [--steps 20] [--out PATH]
 
+`--family qwen-image-2.1`: the same for Qwen-Image 2.1's DiT (32 blocks, 1024x1024 = 4096 target
+tokens after the 211- / 77-token prompt, LoRA r64 on the seven projections of every block); its
+default variant caches the prompt's K/V after the first step, as it does within a request, and its
+diffusers variant runs the native attention backend with no KV cache, as the trainer does.
+
 `--family wan`: the same for Wan2.1-T2V-14B's DiT (40 blocks, 81 frames at 480x832 = 32760 video
 tokens, T5 text zero-padded to 512 tokens, LoRA r64 on self-/cross-attention and FFN), the default
 variant with Wan's fused q/k norm-RoPE predicate guarded by the harness. The variants share their
@@ -51,6 +56,17 @@ FAMILY_SPECS = {
         "model_cls": "QwenImageTransformer2DModel",
         "targets": None,  # filled in main (sglang_train_parity.reference.LORA_TARGETS)
         "default_layers": 60,
+    },
+    "qwen-image-2.1": {
+        "model_cls": "QwenImage21Transformer2DModel",
+        "targets": None,  # sglang_train_parity.qwen_image21.LORA_TARGETS
+        "default_layers": 32,
+        "model_id": "Qwen-Image-2.1",
+        "model_index": {
+            "_class_name": "QwenImage21Pipeline",
+            "_diffusers_version": "0.42.1",
+            "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+        },
     },
     "wan": {
         "model_cls": "WanTransformer3DModel",
@@ -308,7 +324,7 @@ def build_fork(
     info = {"server_args": kwargs}
     if numerics == "train_parity":
         push_lora(model, state, LORA_RANK, LORA_ALPHA, merge=False)
-    elif family == "wan":  # no fused LoRA targets in Wan's default DiT
+    elif family != "qwen-image":  # no fused LoRA targets in these default DiTs
         bf16 = {name: t.to(torch.bfloat16) for name, t in state.items()}
         push_lora(model, bf16, LORA_RANK, LORA_ALPHA, merge=False)
     else:
@@ -527,6 +543,114 @@ def wan_diffusers_step_fn(model, config, clip, device):
     return step
 
 
+def qwen21_inputs(config: dict, grid: tuple[int, int], device):
+    """Latents [1, H*W, C] and per-branch text embeds [1, TXT_LEN, D] bf16."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(7)
+    h, w = grid
+    latents = torch.randn(1, h * w, config["in_channels"], generator=g, device=device)
+    text = {
+        k: torch.randn(1, n, config["context_in_dim"], generator=g, device=device).bfloat16()
+        for k, n in TXT_LEN.items()
+    }
+    return latents, text
+
+
+def qwen21_fork_step_fn(model, config, grid, device):
+    import torch
+
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+    from sglang.multimodal_gen.runtime.models.dits.qwen_image21 import build_layout
+
+    latents, text = qwen21_inputs(config, grid, device)
+    latents = latents.bfloat16()
+    layouts = {
+        k: [build_layout([False] * t.shape[1], [(1, *grid)], config["axes_dims_rope"], device)]
+        for k, t in text.items()
+    }
+    # the default path fills its prefix K/V at the first step and reuses them for the request
+    caches = {
+        k: None if model.train_parity else [[{} for _ in range(config["num_layers"])]]
+        for k in text
+    }
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        with torch.no_grad(), set_forward_context(
+            current_timestep=i, attn_metadata=None, forward_batch=None
+        ):
+            outs = {
+                k: model(
+                    hidden_states=latents,
+                    encoder_hidden_states=t,
+                    timestep=ts[i % 64],
+                    layouts=layouts[k],
+                    prefix_caches=caches[k],
+                )
+                for k, t in text.items()
+            }
+        return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
+def build_qwen21_diffusers(config: dict, device: str):
+    """diffusers' Qwen-Image 2.1 DiT + PEFT with the fork variants' weights and LoRA (same draws),
+    every parameter bf16; RoPE tables built on the device (as the fork's default), the timestep
+    frequencies on the CPU (as diffusers' __init__)."""
+    import torch
+    from diffusers import QwenImage21Transformer2DModel
+    from sglang_train_parity import qwen_image21
+    from sglang_train_parity.reference import inject_lora
+
+    with torch.device("meta"):
+        model = QwenImage21Transformer2DModel(**config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    gpu_common.randomize_(model, 0, device)
+    qwen_image21._rebuild_rope_tables(model.pos_embed, torch.device(device))
+    time_proj = model.time_text_embed.time_proj
+    half = time_proj.freqs.numel()
+    steps = torch.arange(start=0, end=half, dtype=torch.float32)
+    time_proj.freqs = torch.exp(-math.log(10000) * steps / half).to(device)
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family="qwen-image-2.1")
+    inject_lora(model, state, LORA_RANK, LORA_ALPHA, qwen_image21.LORA_TARGETS)
+    del state
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    model.eval().set_attention_backend("native")
+    return model, {"attention_backend": "native"}
+
+
+def qwen21_diffusers_step_fn(model, config, grid, device):
+    import torch
+    from sglang_train_parity.autocast_emulation import cuda_autocast
+
+    latents, text = qwen21_inputs(config, grid, device)
+    n = latents.shape[1]
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        with torch.no_grad(), cuda_autocast(device):
+            outs = {}
+            for k, t in text.items():
+                img_mask = torch.zeros(1, t.shape[1] + n // 4, dtype=torch.bool, device=device)
+                img_mask[:, t.shape[1] :] = True
+                outs[k] = model(
+                    hidden_states=latents,
+                    encoder_hidden_states=t,
+                    timestep=ts[i % 64] / 1000,
+                    img_shapes=[[(1, *grid)]],
+                    img_mask=img_mask,
+                    return_dict=False,
+                )[0][:, -n:]
+            return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+
+    return step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -546,13 +670,33 @@ def main() -> int:
     t_start = time.monotonic()
     gpu_common.setup(args.device, args.jit)
     import torch
-    from sglang_train_parity import reference, wan
+    from sglang_train_parity import qwen_image21, reference, wan
 
     FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
+    FAMILY_SPECS["qwen-image-2.1"]["targets"] = qwen_image21.LORA_TARGETS
     FAMILY_SPECS["wan"]["targets"] = wan.LORA_TARGETS
     spec = FAMILY_SPECS[args.family]
     layers = args.layers or spec["default_layers"]
-    if args.family == "wan":
+    if args.family == "qwen-image-2.1":
+        from benchmark.gpu_parity_qwen21 import QWEN_IMAGE_21
+
+        config = dict(QWEN_IMAGE_21, num_layers=layers)
+        if args.tiny:
+            config.update(attention_head_dim=32, num_attention_heads=2, context_in_dim=48)
+            config.update(axes_dims_rope=(8, 12, 12))
+        grid = (8, 8) if args.tiny else (64, 64)
+        shape = {
+            "image": f"{grid[0] * 16}x{grid[1] * 16}",
+            "image_tokens": grid[0] * grid[1],
+            "text_tokens": TXT_LEN,
+        }
+        model_dir = gpu_common.write_config_only_model_dir(
+            args.workdir / "qwen-image-2.1-speed",
+            config,
+            spec["model_cls"],
+            spec["model_index"],
+        )
+    elif args.family == "wan":
         from benchmark.gpu_parity_wan import WAN_14B
 
         config = dict(WAN_14B, num_layers=layers)
@@ -621,6 +765,9 @@ def main() -> int:
             if variant == "diffusers" and args.family == "wan":
                 model, info = build_wan_diffusers(config, args.device)
                 step = wan_diffusers_step_fn(model, config, clip, args.device)
+            elif variant == "diffusers" and args.family == "qwen-image-2.1":
+                model, info = build_qwen21_diffusers(config, args.device)
+                step = qwen21_diffusers_step_fn(model, config, grid, args.device)
             elif variant == "diffusers":
                 model, info = build_diffusers(config, args.device)
                 step = diffusers_step_fn(model, config, grid, txt, args.device)
@@ -630,6 +777,8 @@ def main() -> int:
                 )
                 if args.family == "wan":
                     step = wan_fork_step_fn(model, config, clip, args.device)
+                elif args.family == "qwen-image-2.1":
+                    step = qwen21_fork_step_fn(model, config, grid, args.device)
                 else:
                     step = fork_step_fn(model, config, grid, txt, args.device)
             entry.update(info)

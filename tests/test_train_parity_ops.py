@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
+from diffusers.models.transformers import transformer_qwenimage21  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 from diffusers.models.transformers.transformer_qwenimage import (  # noqa: E402
     QwenImageTransformerBlock,
@@ -821,3 +822,56 @@ def test_wan_other_rms_norm_rule_differs(tp1, monkeypatch, grid):
     query = train_parity_ops.rotary_emb_real(heads(wan_qk(weights, x)[0]), cos, sin)
     assert mismatches(query.to(BF16), recorded["query"].to(BF16))
     assert mismatches(wan_self_attention(weights, x, grid), recorded["attention"])
+
+
+# ----------------------------------------------------------------------- Qwen-Image 2.1's variants
+QWEN21_GRID = [(1, 7, "contiguous"), (2, 13, "sliced")]
+QWEN21_IDS = [f"b{b}-s{s}-{layout}" for b, s, layout in QWEN21_GRID]
+
+
+@pytest.mark.parametrize("batch,seq,layout", QWEN21_GRID, ids=QWEN21_IDS)
+def test_qwen21_text_norm_matches_diffusers(batch, seq, layout):
+    """zero_centred_rms_norm is diffusers' QwenImage21ZeroCenterRMSNorm (bf16 weight, applied
+    as weight + 1 in fp32); the control: diffusers' ordinary RMSNorm rounding before a bf16
+    (weight + 1) misses its bits."""
+    x = arrange(rand(batch, seq, HIDDEN), layout)
+    norm = transformer_qwenimage21.QwenImage21ZeroCenterRMSNorm(HIDDEN, eps=EPS)
+    norm.weight.data = rand(HIDDEN, scale=0.3)
+    actual = train_parity_ops.zero_centred_rms_norm(x, norm.weight, EPS)
+    with reference():
+        expected = norm(x)
+    assert_bitwise(actual, expected)
+    assert mismatches(train_parity_ops.rms_norm(x, norm.weight + 1, EPS), expected)
+
+
+def qwen21_modulation_case(batch: int, seq: int, layout: str):
+    """Activations whose first token is constant (its LayerNorm is exactly zero), a scale below
+    -1 on the first channels, and diffusers' [B + 1, 2D] modulation: the first 3 (text) tokens
+    read the t=0 row, the rest their sample's row."""
+    x = rand(batch, seq, HIDDEN)
+    x[:, 0] = 0.5
+    mod = rand(batch + 1, 2 * HIDDEN, scale=0.5)
+    mod[:, :8] = -3.0
+    is_target = (torch.arange(seq) >= 3).view(1, -1, 1)
+    return arrange(x, layout), mod, is_target
+
+
+@pytest.mark.parametrize("batch,seq,layout", QWEN21_GRID, ids=QWEN21_IDS)
+def test_qwen21_scale_only_modulation_matches_diffusers(batch, seq, layout):
+    """layer_norm_scale_shift with shift=None is QwenImage21TransformerBlock._modulate of its
+    autocast LayerNorm, rounded where the next Linear casts it. Controls: a zero shift turns the
+    -0.0 of a zero norm times a negative (1 + scale) into +0.0; the LayerNorm in bf16 (the default
+    path's order) misses the bits."""
+    x, mod, is_target = qwen21_modulation_case(batch, seq, layout)
+    block = transformer_qwenimage21.QwenImage21TransformerBlock
+    scale = torch.where(is_target, mod[:-1, None, :HIDDEN], mod[-1:, None, :HIDDEN])
+    actual = train_parity_ops.layer_norm_scale_shift(x, None, scale, EPS)
+    norm = nn.LayerNorm(HIDDEN, elementwise_affine=False, eps=EPS)
+    with reference():
+        modulated, _ = block._modulate(None, norm(x), mod, is_target.view(-1))
+        expected = modulated.to(BF16)
+    assert_bitwise(actual, expected)
+    assert bool((bits(expected) == bits(torch.tensor(-0.0, dtype=BF16))).any())
+    zero_shift = train_parity_ops.layer_norm_scale_shift(x, torch.zeros_like(scale), scale, EPS)
+    assert mismatches(zero_shift, expected)
+    assert mismatches((norm(x) * (1 + scale)).to(BF16), expected)

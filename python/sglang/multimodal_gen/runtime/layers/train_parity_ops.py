@@ -39,6 +39,16 @@ def rms_norm(
     return normed * weight
 
 
+def zero_centred_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Qwen-Image 2.1's text norm: statistics, normalization and the
+    ``weight + 1`` multiply all in fp32, rounded once to ``x``'s dtype."""
+    value = x.float()
+    rrms = torch.rsqrt(value.pow(2).mean(-1, keepdim=True) + eps)
+    return (value * rrms * (weight.float() + 1)).to(x.dtype)
+
+
 def as_modulation(t: torch.Tensor) -> torch.Tensor:
     """[B, D] shift/scale/gate broadcast over the sequence as [B, 1, D]."""
     return t.unsqueeze(1) if t.dim() == 2 else t
@@ -46,7 +56,7 @@ def as_modulation(t: torch.Tensor) -> torch.Tensor:
 
 def layer_norm_scale_shift(
     x: torch.Tensor,
-    shift: torch.Tensor,
+    shift: Optional[torch.Tensor],
     scale: torch.Tensor,
     eps: float,
     weight: Optional[torch.Tensor] = None,
@@ -55,7 +65,9 @@ def layer_norm_scale_shift(
     """``nn.LayerNorm`` under CUDA autocast (fp32 out), then diffusers'
     ``x * (1 + scale) + shift``: ``1 + scale`` in the modulation's dtype, the
     product and the sum in fp32. Rounded once to ``x``'s dtype, which is what
-    autocast does where the training forward feeds the result to a Linear."""
+    autocast does where the training forward feeds the result to a Linear.
+    ``shift=None`` is the scale-only ``x * (1 + scale)`` of Qwen-Image 2.1
+    (adding a zero shift would turn a ``-0.0`` into ``+0.0``)."""
     normed = F.layer_norm(
         x.float(),
         x.shape[-1:],
@@ -63,7 +75,9 @@ def layer_norm_scale_shift(
         None if bias is None else bias.float(),
         eps,
     )
-    modulated = normed * (1 + as_modulation(scale)) + as_modulation(shift)
+    modulated = normed * (1 + as_modulation(scale))
+    if shift is not None:
+        modulated = modulated + as_modulation(shift)
     return modulated.to(x.dtype)
 
 
@@ -112,29 +126,40 @@ def rotary_emb_real(
     return out
 
 
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """diffusers' ``native`` attention backend on [B, S, H, D] tensors: SDPA
+    on the [B, H, S, D] views, with the kernel torch picks for them.
+    ``attn_mask`` is passed through (bool, broadcast to [B, H, Sq, Sk])."""
+    out = F.scaled_dot_product_attention(
+        query.permute(0, 2, 1, 3),
+        key.permute(0, 2, 1, 3),
+        value.permute(0, 2, 1, 3),
+        attn_mask=attn_mask,
+        dropout_p=0.0,
+        is_causal=False,
+    )
+    return out.permute(0, 2, 1, 3)
+
+
 def joint_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """diffusers' native SDPA call on [B, S, H, D] tensors. ``attn_mask`` is
-    a [B, S] bool mask of valid tokens; pass None when every token is valid.
-    Without a mask on CUDA the flash kernel is pinned, as diffusers'
-    ``_native_flash`` backend does."""
+    """``attention`` with ``attn_mask`` a [B, S] bool mask of valid tokens;
+    pass None when every token is valid. Without a mask on CUDA the flash
+    kernel is pinned, as diffusers' ``_native_flash`` backend does."""
     if attn_mask is not None:
         attn_mask = attn_mask[:, None, None, :]
     pin_flash = attn_mask is None and query.is_cuda
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if pin_flash else nullcontext():
-        out = F.scaled_dot_product_attention(
-            query.permute(0, 2, 1, 3),
-            key.permute(0, 2, 1, 3),
-            value.permute(0, 2, 1, 3),
-            attn_mask=attn_mask,
-            dropout_p=0.0,
-            is_causal=False,
-        )
-    return out.permute(0, 2, 1, 3)
+        return attention(query, key, value, attn_mask)
 
 
 def lora_delta(
