@@ -1,5 +1,5 @@
-"""`sglang-train-parity check` on the tiny Qwen-Image and Wan models (CPU): bitwise equal under
-train_parity with a LoRA adapter (both experts of Wan2.2 A14B, video cases), the negative control
+"""`sglang-train-parity check` on the tiny Qwen-Image, Qwen-Image 2.1 and Wan models (CPU): bitwise
+equal under train_parity with a LoRA adapter (both experts of Wan2.2 A14B, video cases), the negative control
 (`--numerics default`) fails and names the first diverging module, a RoPE-table mismatch names the
 option that fixes it, and bad input is refused with a clear message (exit 2) before any model is
 loaded."""
@@ -110,9 +110,35 @@ def test_wan_default_numerics_fails_at_the_qk_norm(tmp_path):
     assert "first divergence: blocks.0.norm_q" in result.stdout
 
 
+@pytest.mark.slow
+def test_qwen21_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
+    """The embedded tiny Qwen-Image 2.1 DiT (--model-id): train_parity with LoRA on every
+    module, then upstream's numerics, which differ from the time embedding on (its t=0 and
+    real-timestep rows go through separate GEMMs)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the tiny model goes there
+    common = ["--model-id", "Qwen-Image-2.1", "--image-sizes", "64x96", "--timesteps", "500"]
+    result = parity_check(*common, "--batch-sizes", "1,2", "--out-dir", str(tmp_path / "tp"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "tp" / "report.json").read_text())
+    assert report["equal"] and report["model_id"] == "Qwen-Image-2.1"
+    compared = {p["sglang"] for case in report["cases"] for p in case["pairs"]}
+    for module in ("", "modulation", "transformer_blocks.1.img_mlp.out.base_layer"):
+        assert module in compared, module
+    result = parity_check(
+        *common, "--numerics", "default", "--batch-sizes", "1", "--out-dir", str(tmp_path / "d")
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["first_divergence"] == "time_text_embed.timestep_embedder.linear_1"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (
+            ["--model-id", "Qwen-Image-2.1", "--image-sizes", "48"],
+            "multiples of 32 pixels",
+        ),
         (["--frames", "8", "--model-id", A14B], "a video has 4k+1 frames"),
         (["--frames", "5"], "Qwen-Image is an image model"),
         (["--model-id", "Wan2.1-I2V-14B-480P-Diffusers"], "no embedded tiny model"),
@@ -182,7 +208,10 @@ def test_unknown_model_family_is_refused(not_qwen_model, capsys):
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
     assert "'FluxTransformer2DModel' is no train_parity family's" in message
-    assert "supported: QwenImageTransformer2DModel, WanTransformer3DModel" in message
+    assert (
+        "supported: QwenImageTransformer2DModel, QwenImage21Transformer2DModel, "
+        "WanTransformer3DModel" in message
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from sglang_train_parity import reference, wan
+from sglang_train_parity import qwen_image21, reference, wan
 from sglang_train_parity.compare import compare_modules, first_divergence
 from sglang_train_parity.cpu_kernels import register_cpu_kernels
 from sglang_train_parity.families import FAMILIES, Family, family_of
@@ -86,6 +86,7 @@ class QwenImageCheck:
     video = False
     pixels_per_patch = LATENT_PIXELS
     tiny_model_ids = ("Qwen-Image",)
+    trainer_chooses_rope_tables = True
 
     def __init__(self, model_dir: Path | None, model_id: str) -> None:
         self.model_id = model_id
@@ -122,12 +123,61 @@ class QwenImageCheck:
         return ours, reference.reference_forward(model, inputs, device)[1]
 
 
+class QwenImage21Check:
+    """What the check runs for Qwen-Image 2.1 (text-to-image): one DiT, images (sides in
+    multiples of 32 pixels, as its pipeline requires; 16 pixels per latent token), the prompts
+    of a batch equally long, RoPE tables on either side."""
+
+    video = False
+    pixels_per_patch = 32
+    tiny_model_ids = (qwen_image21.MODEL_ID,)
+    trainer_chooses_rope_tables = True
+
+    def __init__(self, model_dir: Path | None, model_id: str) -> None:
+        self.model_id = model_id
+
+    @staticmethod
+    def model_id_of(model_dir: Path) -> str:
+        return qwen_image21.MODEL_ID
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        if (root / "model_index.json").is_file():
+            return root
+        return qwen_image21.build_tiny_dit(root)
+
+    @staticmethod
+    def experts(model_dir: Path | None, model_id: str) -> tuple[str, ...]:
+        return ("transformer",)
+
+    @staticmethod
+    def reference(masters, state, rank, alpha, device, rope_tables):
+        return qwen_image21.build_reference(
+            masters, state, rank, alpha, device=device, rope_tables=rope_tables
+        )
+
+    def forwards(self, dit, model, case: Case, seed: int, device: str):
+        inputs = qwen_image21.QwenImage21DiTInputs.random(
+            (case.text_length,) * case.batch,
+            case.height // 16,
+            case.width // 16,
+            dict(model.config),
+            case.timestep,
+            seed=seed,
+        )
+        for name in ("latents", "text", "timestep"):
+            setattr(inputs, name, getattr(inputs, name).to(device))
+        ours = qwen_image21.sglang_forward(dit, inputs, device)
+        return ours, qwen_image21.reference_forward(model, inputs, device)[1]
+
+
 class WanCheck:
     """What the check runs for Wan text-to-video: every expert of the model, video latents,
     per-token timesteps where the pipeline expands them (Wan2.2 TI2V-5B)."""
 
     video = True
     tiny_model_ids = tuple(wan.TINY_VARIANTS)
+    trainer_chooses_rope_tables = False
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_id = model_id
@@ -174,7 +224,11 @@ class WanCheck:
 
 
 # family name (families.FAMILIES) -> what the check runs for it
-FAMILY_CHECKS = {"Qwen-Image": QwenImageCheck, "Wan (text-to-video)": WanCheck}
+FAMILY_CHECKS = {
+    "Qwen-Image": QwenImageCheck,
+    "Qwen-Image 2.1 (text-to-image)": QwenImage21Check,
+    "Wan (text-to-video)": WanCheck,
+}
 TINY_MODEL_IDS = tuple(
     i for check in FAMILY_CHECKS.values() for i in check.tiny_model_ids
 )
@@ -341,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--trainer-rope-tables",
         choices=ROPE_TABLE_DEVICES,
-        help="where the trainer builds them (Qwen-Image; default: as the server); a "
-        "mismatch shows as rotary_emb differing first",
+        help="where the trainer builds them (Qwen-Image and 2.1; default: as the server); "
+        "a mismatch shows as rotary_emb (2.1: the first attention's to_out.0) differing "
+        "first",
     )
     run.add_argument(
         "--device",
@@ -451,7 +506,7 @@ def validate(args, parser) -> None:
         parser.error(f"--frames: {args.model_id} is an image model")
     if check.video:
         args.frames = args.frames or [9]
-    if args.trainer_rope_tables is not None and check is not QwenImageCheck:
+    if args.trainer_rope_tables is not None and not check.trainer_chooses_rope_tables:
         parser.error(
             f"--trainer-rope-tables: {args.model_id}'s trainer (diffusers) builds its RoPE "
             "tables at construction, on the CPU; only Qwen-Image's trainers choose"

@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sglang_train_parity import reference, wan
+from sglang_train_parity import qwen_image21, reference, wan
 
 from sglang.multimodal_gen.configs.models.dits import WanVideoConfig
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
+)
+from sglang.multimodal_gen.configs.pipeline_configs.qwen_image21 import (
+    QwenImage21PipelineConfig,
 )
 from sglang.multimodal_gen.configs.pipeline_configs.wan import (
     Wan2_2_T2V_A14B_Config,
@@ -55,6 +58,15 @@ FAMILIES = (
         pair_of=reference.sglang_to_diffusers,
         # diffusers' names: the loader's text Q/K/V packing applies only where the packed
         # module exists, and the train_parity DiT has none
+        param_names_mapping={},
+    ),
+    Family(
+        name="Qwen-Image 2.1 (text-to-image)",
+        pipeline_configs=(QwenImage21PipelineConfig,),
+        diffusers_class="QwenImage21Transformer2DModel",
+        lora_targets=qwen_image21.LORA_TARGETS,
+        pair_of=qwen_image21.sglang_to_diffusers,
+        # the DiT loads diffusers' names as they are
         param_names_mapping={},
     ),
     Family(
