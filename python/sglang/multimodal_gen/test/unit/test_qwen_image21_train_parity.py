@@ -196,8 +196,10 @@ def test_forward_matches_diffusers_under_cuda_autocast(text_lengths):
         param.data.normal_(0, 0.1)
     dit = _tiny_dit("train_parity", "cpu")
     dit.load_state_dict(reference.state_dict())
+    # the trainer's bf16 parameters; its timestep-frequency buffer stays fp32
     train_parity.hold_parameters_in_bf16(dit)
-    reference, dit = reference.to(BF16).cuda(), dit.cuda()
+    train_parity.hold_parameters_in_bf16(reference)
+    reference, dit = reference.cuda(), dit.cuda()
     inputs = {
         name: value.cuda() if isinstance(value, torch.Tensor) else value
         for name, value in _inputs(text_lengths).items()
