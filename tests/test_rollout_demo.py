@@ -199,6 +199,30 @@ def test_wan_ti2v_demo_is_exact_with_per_token_timesteps(tmp_path):
     assert live_processes(tag) == []
 
 
+def test_qwen21_demo_is_exact_and_default_is_not(tmp_path):
+    """Qwen-Image 2.1: its own pipeline (Qwen3-VL encoder, RGBA VAE), the whole joint sequence
+    recomputed at every step; three updates, then the default server (its prefix K/V cache,
+    fused kernels and separate prefix GEMMs) differs on every step."""
+    env, tag = tagged_env(tmp_path)
+    result = run_demo(
+        env,
+        *("--model-id", "Qwen-Image-2.1", "--model-dir", str(tmp_path / "tiny-qwen21")),
+        *("--updates", "3"),
+        timeout=400,
+    )
+    checks = {
+        (m, int(u)): (d, fp) for m, u, d, fp, _ in UPDATE_LINE.findall(result.stdout)
+    }
+    assert [checks[("train_parity", u)] for u in (1, 2, 3)] == [
+        ("fp32", "equal"),
+        ("bf16", "equal"),
+        ("fp32", "equal"),
+    ]
+    assert [checks[("default", u)][1] for u in (1, 2, 3)] == ["differ"] * 3
+    assert "train_parity: bitwise equal to the trainer's recompute" in result.stdout
+    assert live_processes(tag) == []
+
+
 def test_every_family_has_a_demo():
     from sglang_train_parity.families import FAMILIES
     from sglang_train_parity.rollout_demo import FAMILY_DEMOS
@@ -229,7 +253,7 @@ def test_demo_names_the_model_ids_it_runs(capsys):
         parse_args(["--model-id", "Wan2.2-I2V-A14B-Diffusers"])  # image-to-video
     err = capsys.readouterr().err
     assert "invalid choice: 'Wan2.2-I2V-A14B-Diffusers'" in err
-    for model_id in ("Qwen-Image", "Wan2.1-T2V-1.3B-Diffusers", A14B, TI2V):
+    for model_id in ("Qwen-Image", "Qwen-Image-2.1", "Wan2.1-T2V-1.3B-Diffusers", A14B, TI2V):
         assert model_id in err
 
 

@@ -1,7 +1,7 @@
 """Model level: a tiny Qwen-Image 2.1 DiT under numerics="train_parity" is bitwise equal to
 diffusers + PEFT under CUDA's autocast policy (emulated on CPU), module by module, for batch 1
 and 2 (the shorter prompt right-padded), cond and uncond prompts, two timesteps and three
-successive LoRA updates, with the RoPE tables built on either device; numerics="default" is not.
+successive LoRA updates; numerics="default" is not.
 The contract: docs/numerics-contract.md."""
 
 from __future__ import annotations
@@ -33,18 +33,12 @@ def first_divergence(record: dict) -> str | None:
     return next((p["sglang"] for p in record["pairs"] if not p["equal"]), None)
 
 
-@pytest.mark.parametrize("rope_tables, updates", [("device", 3), ("cpu", 1)])
-def test_train_parity_is_bitwise_with_lora_updates(tiny_dit, tmp_path, rope_tables, updates):
-    records = parity_run(
-        tiny_dit,
-        tmp_path / "tp.json",
-        "--rope-tables",
-        rope_tables,
-        "--updates",
-        str(updates),
-    )
+def test_train_parity_is_bitwise_with_lora_updates(tiny_dit, tmp_path):
+    """(On the CPU both RoPE table constructions are the same tables: where they are built is
+    checked on the GPU, docs/results.md.)"""
+    records = parity_run(tiny_dit, tmp_path / "tp.json", "--updates", "3")
     cases = {(r["update"], r["batch"], r["branch"], r["timestep"]) for r in records}
-    assert len(cases) == updates * 2 * 2 * 2
+    assert len(cases) == 3 * 2 * 2 * 2
     assert any(len(set(r["text_lengths"])) > 1 for r in records)  # a padded batch
     for record in records:
         assert record["root_equal"], record

@@ -8,11 +8,17 @@ has them; no installable package does. To run upstream's default path at all on 
 plain-PyTorch implementation of each: fp32 math, output in the input's dtype. The train_parity path
 never calls them, so they are never a parity reference. Nothing else of sgl_kernel is provided:
 `import sgl_kernel` still fails.
+
+`stand_in_vllm_rotary_embedding()` lets sglang's Qwen3-VL text encoder (Qwen-Image 2.1's) be built
+on a CPU machine at all: see there.
 """
 
 from __future__ import annotations
 
 import collections
+import sys
+import types
+from importlib.util import find_spec
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +77,25 @@ def register_cpu_kernels() -> collections.Counter:
             _library.define(name + schema)
             _library.impl(name, globals()[f"_{name}"], "CPU")
     return calls
+
+
+def _vllm_rotary_embedding(*args, **kwargs):
+    raise RuntimeError(
+        "vllm's rotary_embedding stand-in was called (sglang_train_parity.cpu_kernels)"
+    )
+
+
+def stand_in_vllm_rotary_embedding() -> None:
+    """On a host that is neither CUDA nor sglang's CPU engine, sglang's srt `RotaryEmbedding`
+    imports `vllm._custom_ops.rotary_embedding` when it is built, and sglang's Qwen3-VL encoder
+    builds one (with no fallback for Qwen-Image 2.1). Its Qwen-VL text RoPE only runs
+    `forward_native`. Where vllm is not installed, a stand-in module whose op raises if called
+    lets the encoder build; an installed vllm is left alone."""
+    if find_spec("vllm") is not None:
+        return
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = _vllm_rotary_embedding
+    vllm = types.ModuleType("vllm")
+    vllm._custom_ops = ops
+    sys.modules.setdefault("vllm", vllm)
+    sys.modules.setdefault("vllm._custom_ops", ops)

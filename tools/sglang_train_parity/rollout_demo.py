@@ -2,9 +2,10 @@
 """``sglang-train-parity demo``: an RL rollout loop against a real sglang diffusion server,
 checked the way a trainer would check it.
 
-On a tiny random pipeline built locally (``--model-id``: Qwen-Image by default, or a Wan
-text-to-video variant: `WanDemo`), it starts ``sglang serve`` on CPU (or the GPU with ``--device
-cuda``) with ``--numerics train_parity --lora-merge-mode dynamic``, then for each of N "optimizer
+On a tiny random pipeline built locally (``--model-id``: Qwen-Image by default, Qwen-Image 2.1:
+`QwenImage21Demo`, or a Wan text-to-video variant: `WanDemo`), it starts ``sglang serve`` on CPU
+(or the GPU with ``--device cuda``) with ``--numerics train_parity --lora-merge-mode dynamic``,
+then for each of N "optimizer
 steps" pushes a fresh random LoRA adapter (every PEFT target of every block; one per expert for
 Wan2.2 A14B) through ``/update_weights_from_tensor``, sent as the fp32 masters or as their bf16
 copies (``--push-dtypes``, fp32 and bf16 in turn by default), requests a CFG rollout through
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from sglang_train_parity import wan
+from sglang_train_parity import qwen_image21, wan
 from sglang_train_parity.tiny_model import default_model_dir
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ def serve(
     model_id: str = "Qwen-Image",
     device: str = "cpu",
     site_dir: Path | None = None,
+    cpu_site_code: str = "",
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> Iterator[Server]:
     """Start the server in its own process group, wait until healthy, and kill the whole
@@ -161,8 +163,9 @@ def serve(
 
     `model_id`: sglang's model id for `model_dir` (which pipeline serves it). `site_dir`: a
     folder holding a ``sitecustomize.py``, put first on the server's PYTHONPATH (every server
-    process runs it); without one, a ``--numerics default`` server on `device` "cpu" gets the
-    CPU kernels' (module docstring). `extra_args`: appended to the ``sglang serve`` command.
+    process runs it); without one, a server on `device` "cpu" gets one running
+    `cpu_site_code` (what the family needs there), and for ``--numerics default`` the CPU
+    kernels' (module docstring). `extra_args`: appended to the ``sglang serve`` command.
     The server uses the GPU where torch sees one: `device` only says which the caller
     expects.
     """
@@ -170,10 +173,13 @@ def serve(
 
     port = port or _free_port_pair()
     env = dict(os.environ)
-    if site_dir is None and numerics == "default" and device == "cpu":
-        site_dir = log_dir / "cpu-kernels-site"
+    site_code = cpu_site_code if device == "cpu" else ""
+    if numerics == "default" and device == "cpu":
+        site_code += _CPU_KERNELS_SITECUSTOMIZE
+    if site_dir is None and site_code:
+        site_dir = log_dir / f"cpu-site-{numerics}"
         site_dir.mkdir(exist_ok=True)
-        (site_dir / "sitecustomize.py").write_text(_CPU_KERNELS_SITECUSTOMIZE)
+        (site_dir / "sitecustomize.py").write_text(site_code)
     if site_dir is not None:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(Path(site_dir).resolve()), env.get("PYTHONPATH")) if p
@@ -460,6 +466,7 @@ class QwenImageDemo:
     request = ROLLOUT_REQUEST
     # the default server takes the adapters as --push-dtypes sends them
     default_push_dtype: str | None = None
+    cpu_site_code = ""
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_dir, self.model_id = model_dir, model_id
@@ -487,6 +494,74 @@ class QwenImageDemo:
         return steps, dict.fromkeys(steps, "transformer")
 
 
+class QwenImage21Demo:
+    """What the demo does for Qwen-Image 2.1 (text-to-image): one DiT, 64x64 images (4x4
+    latent tokens), true CFG without a rescale, every step recomputed over the whole joint
+    sequence, as its trainer does (no prefix K/V cache)."""
+
+    family_name = "Qwen-Image 2.1 (text-to-image)"
+    model_ids = (qwen_image21.MODEL_ID,)
+    experts = ("transformer",)
+    request = ROLLOUT_REQUEST
+    default_push_dtype: str | None = None
+    # its Qwen3-VL text encoder cannot be built on a CPU host without it (cpu_kernels)
+    cpu_site_code = (
+        "from sglang_train_parity.cpu_kernels import stand_in_vllm_rotary_embedding\n"
+        "stand_in_vllm_rotary_embedding()\n"
+    )
+
+    def __init__(self, model_dir: Path, model_id: str) -> None:
+        self.model_dir, self.model_id = model_dir, model_id
+        self.family = _family(model_dir, self.family_name)
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        from sglang_train_parity.tiny_qwen21 import build_tiny_qwen_image21
+
+        return build_tiny_qwen_image21(root)
+
+    def trainer(self, expert, adapter, rank, alpha, device) -> torch.nn.Module:
+        from diffusers import QwenImage21Transformer2DModel
+
+        masters = QwenImage21Transformer2DModel.from_pretrained(
+            self.model_dir / expert, torch_dtype=torch.float32
+        )
+        return qwen_image21.build_reference(masters, adapter, rank, alpha, device)
+
+    def step_outputs(self, trainers, rollout, device):
+        """Every step recomputed as the trainer calls the DiT (`qwen_image21.reference_forward`:
+        the rollout's latents and text embeds, `t / 1000` in fp32), by step index, and the
+        expert of every step; ``neg + s * (pos - neg)``."""
+        env, trajectory = rollout["denoising_env"], rollout["dit_trajectory"]
+        text = {
+            branch: env[f"{branch}_cond_kwargs"]["encoder_hidden_states"][0][None]
+            for branch in ("pos", "neg")
+        }
+        grid = tuple(env["pos_cond_kwargs"]["layouts"][0]["target_shape"])
+        scale = self.request["true_cfg_scale"]
+        steps = {}
+        for step in range(len(trajectory["timesteps"]) - 1):
+            latents = trajectory["latents"][step][None]
+            timestep = trajectory["timesteps"][step].reshape(1).float()
+            pos, neg = (
+                qwen_image21.reference_forward(
+                    trainers["transformer"],
+                    qwen_image21.QwenImage21DiTInputs(
+                        latents, text[b], (text[b].shape[1],), timestep, grid
+                    ),
+                    device,
+                )[0]
+                for b in ("pos", "neg")
+            )
+            combined = neg + scale * (pos - neg)
+            steps[step] = {
+                "conditional": pos[0].cpu(),
+                "unconditional": neg[0].cpu(),
+                "combined": combined[0].cpu(),
+            }
+        return steps, dict.fromkeys(steps, "transformer")
+
+
 class WanDemo:
     """What the demo does for Wan text-to-video: 5-frame videos of 2x2 tokens a latent frame,
     CFG without a rescale, one adapter per expert. Wan2.2 A14B runs ``transformer`` with
@@ -499,6 +574,7 @@ class WanDemo:
     # to bf16 activations, and the rollout fails ("self and mat2 must have the same dtype"):
     # the default server gets the bf16 copies
     default_push_dtype: str | None = "bf16"
+    cpu_site_code = ""
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_dir, self.model_id = model_dir, model_id
@@ -595,18 +671,21 @@ class WanDemo:
 
 
 # family name (families.FAMILIES) -> what the demo does for it
-FAMILY_DEMOS = {demo.family_name: demo for demo in (QwenImageDemo, WanDemo)}
+Demo = QwenImageDemo | QwenImage21Demo | WanDemo
+FAMILY_DEMOS = {
+    demo.family_name: demo for demo in (QwenImageDemo, QwenImage21Demo, WanDemo)
+}
 DEMO_MODEL_IDS = tuple(i for demo in FAMILY_DEMOS.values() for i in demo.model_ids)
 
 
-def demo_for(model_id: str) -> type[QwenImageDemo] | type[WanDemo]:
+def demo_for(model_id: str) -> type[Demo]:
     """The demo of the family `model_id` (one of DEMO_MODEL_IDS) belongs to."""
     return next(d for d in FAMILY_DEMOS.values() if model_id in d.model_ids)
 
 
 def parity_of_update(
     server: Server,
-    demo: QwenImageDemo | WanDemo,
+    demo: Demo,
     adapters: Mapping[str, dict[str, torch.Tensor]],
     rank: int,
     alpha: float,
@@ -676,7 +755,7 @@ def _push_dtype_names(args: argparse.Namespace) -> list[str]:
 
 
 def _mode_push_dtypes(
-    args: argparse.Namespace, demo: QwenImageDemo | WanDemo, numerics: str
+    args: argparse.Namespace, demo: Demo, numerics: str
 ) -> list[str]:
     """What each update is sent as to the `numerics` server: `_push_dtype_names`, but
     the family's `default_push_dtype` to the default server if it has one."""
@@ -703,7 +782,7 @@ def _route(experts_by_step: Mapping[int, str]) -> str:
 def _run_mode(
     numerics: str,
     args: argparse.Namespace,
-    demo: QwenImageDemo | WanDemo,
+    demo: Demo,
     adapters: list[dict[str, dict[str, torch.Tensor]]],
     log_dir: Path,
 ) -> list[UpdateResult]:
@@ -735,6 +814,7 @@ def _run_mode(
         model_id=args.model_id,
         device=device,
         site_dir=args.server_site,
+        cpu_site_code=demo.cpu_site_code,
         extra_args=extra_args,
     ) as server:
         _log(
@@ -826,8 +906,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="sglang-train-parity demo",
         description=(
             "End-to-end RL rollout check of --numerics train_parity: start the sglang "
-            "diffusion server on a tiny local model (Qwen-Image, or a Wan text-to-video "
-            "variant: --model-id) on the CPU, or the GPU with --device cuda, push a new "
+            "diffusion server on a tiny local model (Qwen-Image, Qwen-Image 2.1, or a Wan "
+            "text-to-video variant: --model-id) on the CPU, or the GPU with --device cuda, push a new "
             "random LoRA adapter per update (per expert) through "
             "/update_weights_from_tensor (fp32 masters or their bf16 copies), request a "
             "CFG rollout through /rollout/generate, recompute every step as the "
@@ -849,7 +929,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--model-id",
         choices=DEMO_MODEL_IDS,
         default="Qwen-Image",
-        help="the tiny model: Qwen-Image, or a Wan text-to-video variant (Wan2.2 A14B: two "
+        help="the tiny model: Qwen-Image, Qwen-Image-2.1, or a Wan text-to-video variant (Wan2.2 A14B: two "
         "experts, each with its own adapter, switched inside the rollout) (default: "
         "%(default)s)",
     )
@@ -1000,7 +1080,7 @@ def _versions(device: str) -> dict[str, Any]:
 
 def _write_report(
     args: argparse.Namespace,
-    demo: QwenImageDemo | WanDemo,
+    demo: Demo,
     parity: list[UpdateResult],
     default: list[UpdateResult],
     passed: bool,
@@ -1060,7 +1140,7 @@ def _write_report(
     args.report.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def _load_demo(args: argparse.Namespace) -> QwenImageDemo | WanDemo:
+def _load_demo(args: argparse.Namespace) -> Demo:
     """The demo of --model-id on its tiny model, built in --model-dir unless already there."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -1083,7 +1163,7 @@ def _load_demo(args: argparse.Namespace) -> QwenImageDemo | WanDemo:
 
 
 def _demo(
-    args: argparse.Namespace, demo: QwenImageDemo | WanDemo, log_dir: Path
+    args: argparse.Namespace, demo: Demo, log_dir: Path
 ) -> bool:
     # per expert, one adapter per update (its own seeds), then per update, every expert's
     per_expert = {
