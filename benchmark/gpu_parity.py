@@ -182,6 +182,35 @@ class Comparator:
         return result
 
 
+def compare_case(family, model, reference, inputs, controls, device) -> dict:
+    """One case of a family module's (`sglang_train_parity.wan`, `.qwen_image21`) parity run:
+    the reference outputs once; the fork's forward with every module compared as produced;
+    then the fork's forward under each control (a context manager factory), root only."""
+    import torch
+    from sglang_train_parity.compare import ulp_distance
+
+    out, ref_outputs = family.reference_forward(reference, inputs, device)
+    comparator = Comparator({"ref": ref_outputs}, True, family.sglang_to_diffusers)
+    handles = [
+        m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
+    ]
+    try:
+        ours = family.sglang_forward(model, inputs, device)[""]
+    finally:
+        for handle in handles:
+            handle.remove()
+    comparator.compare_one("", ours, "ref")
+    summary = comparator.summaries()["ref"]
+    summary.pop("compared")
+    del ref_outputs
+    for name, control in controls.items():
+        with control():
+            theirs = family.sglang_forward(model, inputs, device)[""]
+        summary[f"control {name}: root_equal"] = torch.equal(theirs, out)
+        summary[f"control {name}: root_max_ulp"] = ulp_distance(theirs, out)
+    return summary
+
+
 def fork_forward(model, inputs, device: str, comparator: Comparator):
     """The fork's forward (train_parity.sglang_dit.run_dit) with each module's output compared as
     it is produced: only statistics stay on the GPU."""

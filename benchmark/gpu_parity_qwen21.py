@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import Comparator  # noqa: E402
+from benchmark.gpu_parity import compare_case  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 QWEN_IMAGE_21 = dict(
@@ -110,33 +110,6 @@ def rope_tables_on_cpu(model):
     return control
 
 
-def compare_case(model, reference, inputs, controls, device) -> dict:
-    """Reference outputs once; the fork's forward with every module compared as produced; then
-    the fork's forward under each control, root only."""
-    import torch
-    from sglang_train_parity import qwen_image21
-    from sglang_train_parity.compare import ulp_distance
-
-    out, ref_outputs = qwen_image21.reference_forward(reference, inputs, device)
-    comparator = Comparator({"ref": ref_outputs}, True, qwen_image21.sglang_to_diffusers)
-    handles = [m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()]
-    try:
-        ours = qwen_image21.sglang_forward(model, inputs, device)[""]
-    finally:
-        for handle in handles:
-            handle.remove()
-    comparator.compare_one("", ours, "ref")
-    summary = comparator.summaries()["ref"]
-    summary.pop("compared")
-    del ref_outputs
-    for name, control in controls.items():
-        with control():
-            theirs = qwen_image21.sglang_forward(model, inputs, device)[""]
-        summary[f"control {name}: root_equal"] = torch.equal(theirs, out)
-        summary[f"control {name}: root_max_ulp"] = ulp_distance(theirs, out)
-    return summary
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -192,7 +165,7 @@ def main() -> int:
             "bf16 modulation": bf16_modulation,
             "server RoPE tables on the CPU": rope_tables_on_cpu(model),
         }
-        summary = compare_case(model, reference, inputs, controls, device)
+        summary = compare_case(qwen_image21, model, reference, inputs, controls, device)
         # diffusers' pipeline passes t.to(bf16) / 1000; the trainer (and the fork) t / 1000
         t = torch.tensor(timestep)
         summary["pipeline_timestep_rounds_alike"] = bool(

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import Comparator  # noqa: E402
+from benchmark.gpu_parity import compare_case  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 WAN_14B = dict(
@@ -79,33 +79,6 @@ def inputs_for(config, clip, stride, per_token, batch, text_len, timestep, seed,
     )
     inputs.text[:, text_len:] = 0  # T5 embeds, zero-padded to 512 as the pipeline does
     return WanDiTInputs(*(t.to(device) for t in (inputs.latents, inputs.text, inputs.timestep)))
-
-
-def compare_case(model, reference, inputs, controls, device) -> dict:
-    """Reference outputs once; the fork's forward with every module compared as produced; then
-    the fork's forward under each control, root only."""
-    import torch
-    from sglang_train_parity import wan
-    from sglang_train_parity.compare import ulp_distance
-
-    out, ref_outputs = wan.reference_forward(reference, inputs, device)
-    comparator = Comparator({"ref": ref_outputs}, True, wan.sglang_to_diffusers)
-    handles = [m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()]
-    try:
-        ours = wan.sglang_forward(model, inputs, device)[""]
-    finally:
-        for handle in handles:
-            handle.remove()
-    comparator.compare_one("", ours, "ref")
-    summary = comparator.summaries()["ref"]
-    summary.pop("compared")
-    for name, control in controls.items():
-        with control():
-            theirs = wan.sglang_forward(model, inputs, device)[""]
-        summary[f"control {name}: root_equal"] = torch.equal(theirs, out)
-        summary[f"control {name}: root_max_ulp"] = ulp_distance(theirs, out)
-    del ref_outputs
-    return summary
 
 
 def other_rms_norm_rule():
@@ -186,6 +159,7 @@ def main() -> int:
                     config, clip, stride, per_token, batch, text_len, timestep, len(records), device
                 )
                 summary = compare_case(
+                    wan,
                     model,
                     reference,
                     inputs,

@@ -123,18 +123,13 @@ class QwenImageCheck:
         return ours, reference.reference_forward(model, inputs, device)[1]
 
 
-class QwenImage21Check:
-    """What the check runs for Qwen-Image 2.1 (text-to-image): one DiT, images (sides in
-    multiples of 32 pixels, as its pipeline requires; 16 pixels per latent token), the prompts
-    of a batch equally long, RoPE tables on either side."""
+class QwenImage21Check(QwenImageCheck):
+    """What the check runs for Qwen-Image 2.1 (text-to-image): as for Qwen-Image, with images
+    in multiples of 32 pixels (its pipeline's; 16 pixels per latent token) and the prompts of
+    a batch equally long."""
 
-    video = False
     pixels_per_patch = 32
     tiny_model_ids = (qwen_image21.MODEL_ID,)
-    trainer_chooses_rope_tables = True
-
-    def __init__(self, model_dir: Path | None, model_id: str) -> None:
-        self.model_id = model_id
 
     @staticmethod
     def model_id_of(model_dir: Path) -> str:
@@ -145,10 +140,6 @@ class QwenImage21Check:
         if (root / "model_index.json").is_file():
             return root
         return qwen_image21.build_tiny_dit(root)
-
-    @staticmethod
-    def experts(model_dir: Path | None, model_id: str) -> tuple[str, ...]:
-        return ("transformer",)
 
     @staticmethod
     def reference(masters, state, rank, alpha, device, rope_tables):

@@ -35,6 +35,7 @@ from sglang_train_parity.reference import (
     Pairing,
     inject_lora,
     paired_name,
+    random_masters,
     recorded_forward,
 )
 from torch import nn
@@ -66,19 +67,6 @@ TINY_CONFIG = dict(
     eps=1e-6,
     causal_condition=True,
 )
-
-
-def random_transformer(seed: int, **config) -> nn.Module:
-    """diffusers' Qwen-Image 2.1 DiT, fp32, every parameter N(0, 0.1) (diffusers zero-inits the
-    text norm, which would hide its weight)."""
-    from diffusers import QwenImage21Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = QwenImage21Transformer2DModel(**config)
-    generator = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        param.data = torch.randn(param.shape, generator=generator) * 0.1
-    return model
 
 
 def build_reference(
@@ -308,7 +296,8 @@ def build_tiny_dit(root: Path, seed: int = 0) -> Path:
     """A tiny random Qwen-Image 2.1 DiT as fp32 masters in a diffusers-layout folder (a
     model_index.json and transformer/), for sglang's transformer loader. Seconds."""
     root.mkdir(parents=True, exist_ok=True)
-    random_transformer(seed, **TINY_CONFIG).save_pretrained(root / "transformer")
+    model = random_masters("QwenImage21Transformer2DModel", seed, **TINY_CONFIG)
+    model.save_pretrained(root / "transformer")
     index = {
         "_class_name": "QwenImage21Pipeline",
         "_diffusers_version": "0.42.1",

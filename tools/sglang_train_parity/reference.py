@@ -57,6 +57,20 @@ def is_lora_target(name: str, targets: tuple[str, ...] = LORA_TARGETS) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+def random_masters(model_cls: str, seed: int, **config) -> nn.Module:
+    """diffusers' DiT `model_cls` built from `config`, fp32, every parameter N(0, 0.1): the
+    default init zeroes some (Qwen-Image 2.1's text norm), which would hide their paths, and
+    0.1 keeps the blocks' outputs well away from zero."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    model = getattr(diffusers, model_cls)(**config)
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        param.data = torch.randn(param.shape, generator=generator) * 0.1
+    return model
+
+
 def random_lora_state(
     model: nn.Module,
     rank: int,

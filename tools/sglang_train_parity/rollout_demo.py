@@ -494,25 +494,18 @@ class QwenImageDemo:
         return steps, dict.fromkeys(steps, "transformer")
 
 
-class QwenImage21Demo:
-    """What the demo does for Qwen-Image 2.1 (text-to-image): one DiT, 64x64 images (4x4
-    latent tokens), true CFG without a rescale, every step recomputed over the whole joint
-    sequence, as its trainer does (no prefix K/V cache)."""
+class QwenImage21Demo(QwenImageDemo):
+    """What the demo does for Qwen-Image 2.1 (text-to-image): as for Qwen-Image (64x64 images,
+    here 4x4 latent tokens), true CFG without a rescale, every step recomputed over the whole
+    joint sequence, as its trainer does (no prefix K/V cache)."""
 
     family_name = "Qwen-Image 2.1 (text-to-image)"
     model_ids = (qwen_image21.MODEL_ID,)
-    experts = ("transformer",)
-    request = ROLLOUT_REQUEST
-    default_push_dtype: str | None = None
     # its Qwen3-VL text encoder cannot be built on a CPU host without it (cpu_kernels)
     cpu_site_code = (
         "from sglang_train_parity.cpu_kernels import stand_in_vllm_rotary_embedding\n"
         "stand_in_vllm_rotary_embedding()\n"
     )
-
-    def __init__(self, model_dir: Path, model_id: str) -> None:
-        self.model_dir, self.model_id = model_dir, model_id
-        self.family = _family(model_dir, self.family_name)
 
     @staticmethod
     def build_tiny(model_id: str, root: Path) -> Path:

@@ -30,6 +30,7 @@ from sglang_train_parity.reference import (
     Pairing,
     inject_lora,
     paired_name,
+    random_masters,
     recorded_forward,
 )
 from torch import nn
@@ -57,19 +58,6 @@ TINY_CONFIG = dict(
 )
 # Wan2.2 TI2V-5B's layout: 48 latent channels, per-token timesteps.
 TINY_TI2V_CONFIG = {**TINY_CONFIG, "in_channels": 48, "out_channels": 48}
-
-
-def random_transformer(seed: int, **config) -> nn.Module:
-    """diffusers' Wan DiT, fp32, every parameter random (diffusers zero-inits none here, but
-    N(0, 0.1) keeps the blocks' outputs well away from zero)."""
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(**config)
-    generator = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        param.data = torch.randn(param.shape, generator=generator) * 0.1
-    return model
 
 
 def build_reference(
@@ -346,7 +334,9 @@ def build_tiny_dits(root: Path, model_id: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1", **entries}
     for seed, expert in enumerate(experts):
-        random_transformer(seed, **config).save_pretrained(root / expert)
+        random_masters("WanTransformer3DModel", seed, **config).save_pretrained(
+            root / expert
+        )
         index[expert] = ["diffusers", "WanTransformer3DModel"]
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
