@@ -22,6 +22,8 @@ benchmark/demo_site/sitecustomize.py in every process of both servers and in the
   - the DiT under `--numerics default`: `gpu_common.DefaultPathHarness`, the closest default path
     that runs here (docs/results.md, "The closest default path that runs on the H200"), each move
     logged the same way.
+* with JIT builds refused: Qwen-Image 2.1's VAE decoder fast paths (JIT kernels without a
+  fallback of their own) are not installed, so upstream's plain decoder runs; logged.
 
 Records go, one JSON object a line, to the file named by `SGLANG_TP_HARNESS_LOG` (when set) and
 to the process's log (the server log). Nothing is registered: no torch op, no fake CUDA, no
@@ -48,6 +50,7 @@ CPU_KERNELS_ENV = "SGLANG_TP_HARNESS_CPU_KERNELS"
 COMPONENT_LOADER = (
     "sglang.multimodal_gen.runtime.loader.component_loaders.component_loader"
 )
+QWEN21_VAE_FAST_PATHS = "sglang.multimodal_gen.runtime.models.vaes.qwen_image21_vae_cuda_opt"
 # the pipeline's DiTs: Wan2.2 A14B has a second expert
 DIT_COMPONENTS = ("transformer", "transformer_2")
 
@@ -134,6 +137,22 @@ def install() -> None:
 
         register_cpu_kernels()
     sys.meta_path.insert(0, _AfterImport(COMPONENT_LOADER, _patch_component_loader))
+    if os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] == "1":
+        sys.meta_path.insert(0, _AfterImport(QWEN21_VAE_FAST_PATHS, _skip_vae_fast_paths))
+
+
+def _skip_vae_fast_paths(module) -> None:
+    def plain_decoder(vae):
+        record(
+            "fallback",
+            component="vae",
+            op="maybe_optimize_qwen_image21_vae",
+            error="its fast paths are JIT kernels without a fallback; JIT builds refused",
+            to="upstream's plain decoder",
+        )
+        return vae
+
+    module.maybe_optimize_qwen_image21_vae = plain_decoder
 
 
 def _patch_component_loader(module) -> None:
