@@ -166,11 +166,14 @@ def _request(**fields):
     return SimpleNamespace(**{**request, **fields})
 
 
+def _server_args(numerics):
+    # ServerArgs hands its numerics to the pipeline config, which the stages read
+    return SimpleNamespace(pipeline_config=QwenImage21PipelineConfig(numerics=numerics))
+
+
 @pytest.mark.parametrize("numerics", train_parity.NUMERICS_MODES)
 def test_encoding_builds_prefix_caches_only_outside_train_parity(numerics):
-    server_args = SimpleNamespace(
-        numerics=numerics, pipeline_config=QwenImage21PipelineConfig()
-    )
+    server_args = _server_args(numerics)
     batch = _encoding_stage().forward(_request(), server_args)
     for branch in ("qwen21_positive", "qwen21_negative"):
         caches = batch.extra[branch]["prefix_caches"]
@@ -179,9 +182,7 @@ def test_encoding_builds_prefix_caches_only_outside_train_parity(numerics):
 
 
 def test_encoding_refuses_condition_images_under_train_parity():
-    server_args = SimpleNamespace(
-        numerics="train_parity", pipeline_config=QwenImage21PipelineConfig()
-    )
+    server_args = _server_args(train_parity.NUMERICS_TRAIN_PARITY)
     request = _request(condition_image=["reference.png"])
     with pytest.raises(train_parity.TrainParityError, match="condition images"):
         _encoding_stage().forward(request, server_args)
