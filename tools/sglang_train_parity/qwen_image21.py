@@ -197,29 +197,16 @@ def sglang_forward(
 ) -> dict[str, torch.Tensor]:
     """sglang's Qwen-Image 2.1 DiT called as its denoising stage calls it (bf16 latents, no
     prefix cache), every module's output recorded by name ("" = the output)."""
-    from sglang_train_parity.sglang_dit import record_outputs
-
-    from sglang.multimodal_gen.runtime.managers.forward_context import (
-        set_forward_context,
-    )
+    from sglang_train_parity.sglang_dit import recorded_call
 
     layouts = sglang_layouts(inputs, model.config.axes_dims_rope, torch.device(device))
-    outputs: dict[str, torch.Tensor] = {}
-    handles = record_outputs(model, outputs)
-    try:
-        with torch.no_grad(), set_forward_context(
-            current_timestep=0, attn_metadata=None, forward_batch=None
-        ):
-            outputs[""] = model(
-                hidden_states=inputs.latents.to(device, torch.bfloat16),
-                encoder_hidden_states=inputs.text.to(device),
-                timestep=inputs.timestep.to(device),
-                layouts=layouts,
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outputs
+    return recorded_call(
+        model,
+        hidden_states=inputs.latents.to(device, torch.bfloat16),
+        encoder_hidden_states=inputs.text.to(device),
+        timestep=inputs.timestep.to(device),
+        layouts=layouts,
+    )
 
 
 _S = Pairing.SAME

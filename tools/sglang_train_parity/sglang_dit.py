@@ -136,6 +136,26 @@ def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
     return [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
 
 
+def recorded_call(model: nn.Module, **call_kwargs) -> dict[str, torch.Tensor]:
+    """`model(**call_kwargs)` as a denoising stage calls a DiT (no autograd, in a forward
+    context), every module's output recorded by name ("" = the output)."""
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+
+    outputs: dict[str, torch.Tensor] = {}
+    handles = record_outputs(model, outputs)
+    try:
+        with torch.no_grad(), set_forward_context(
+            current_timestep=0, attn_metadata=None, forward_batch=None
+        ):
+            outputs[""] = model(**call_kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
 def run_dit(
     model: nn.Module, inputs: "QwenDiTInputs", device: str = "cpu"
 ) -> torch.Tensor:

@@ -136,27 +136,14 @@ def sglang_forward(
 ) -> dict[str, torch.Tensor]:
     """sglang's Wan DiT called as the denoising stage calls it (bf16 latents), every module's
     output recorded by name ("" = the output)."""
-    from sglang_train_parity.sglang_dit import record_outputs
+    from sglang_train_parity.sglang_dit import recorded_call
 
-    from sglang.multimodal_gen.runtime.managers.forward_context import (
-        set_forward_context,
+    return recorded_call(
+        model,
+        hidden_states=inputs.latents.to(device, torch.bfloat16),
+        encoder_hidden_states=inputs.text.to(device),
+        timestep=inputs.timestep.to(device),
     )
-
-    outputs: dict[str, torch.Tensor] = {}
-    handles = record_outputs(model, outputs)
-    try:
-        with torch.no_grad(), set_forward_context(
-            current_timestep=0, attn_metadata=None, forward_batch=None
-        ):
-            outputs[""] = model(
-                hidden_states=inputs.latents.to(device, torch.bfloat16),
-                encoder_hidden_states=inputs.text.to(device),
-                timestep=inputs.timestep.to(device),
-            )
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outputs
 
 
 _S = Pairing.SAME
