@@ -156,8 +156,6 @@ class QwenImage21Check(QwenImageCheck):
             case.timestep,
             seed=seed,
         )
-        for name in ("latents", "text", "timestep"):
-            setattr(inputs, name, getattr(inputs, name).to(device))
         ours = qwen_image21.sglang_forward(dit, inputs, device)
         return ours, qwen_image21.reference_forward(model, inputs, device)[1]
 

@@ -33,7 +33,7 @@ import torch
 from sglang_train_parity.reference import (
     ModulePair,
     Pairing,
-    inject_lora,
+    bf16_trainer_model,
     paired_name,
     random_masters,
     recorded_forward,
@@ -81,12 +81,7 @@ def build_reference(
     and loaded from the fp32 `lora_state` when given, every parameter rounded to bf16 (the
     timestep-frequency buffer stays fp32), moved to `device`; with `rope_tables="device"` the
     RoPE tables are rebuilt there (else they stay the CPU-built ones)."""
-    model = model.float()
-    if lora_state is not None:
-        inject_lora(model, lora_state, rank, alpha, LORA_TARGETS)
-    for param in model.parameters():
-        param.data = param.data.to(torch.bfloat16)
-    model = model.to(device).eval()
+    model = bf16_trainer_model(model, lora_state, rank, alpha, LORA_TARGETS, device)
     if rope_tables == "device":
         _rebuild_rope_tables(model.pos_embed, torch.device(device))
     elif rope_tables != "cpu":

@@ -153,6 +153,25 @@ def inject_lora(
         )
 
 
+def bf16_trainer_model(
+    model: nn.Module,
+    lora_state: dict[str, torch.Tensor] | None,
+    rank: int | None,
+    alpha: float | None,
+    targets: tuple[str, ...],
+    device: str | torch.device,
+) -> nn.Module:
+    """The trainer's model from the fp32 masters `model` (modified in place): PEFT LoRA on
+    `targets` injected and loaded from the fp32 `lora_state` when given, every parameter rounded
+    to bf16 as FSDP2's param_dtype does (buffers keep their dtype), moved to `device`."""
+    model = model.float()
+    if lora_state is not None:
+        inject_lora(model, lora_state, rank, alpha, targets)
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return model.to(device).eval()
+
+
 def _rebuild_rope_tables(rope: nn.Module, device: torch.device) -> None:
     """Recompute `pos_freqs`/`neg_freqs` on `device` with sglang's `QwenEmbedRope._init_freqs` ops
     (CPU- and CUDA-built tables differ by ULPs; diffusers builds on CPU in __init__)."""

@@ -28,7 +28,7 @@ from sglang_train_parity.reference import (
     ATTENTION_BACKEND,
     ModulePair,
     Pairing,
-    inject_lora,
+    bf16_trainer_model,
     paired_name,
     random_masters,
     recorded_forward,
@@ -70,12 +70,7 @@ def build_reference(
     """The trainer's model from the fp32 masters `model` (modified in place): PEFT LoRA injected
     and loaded from the fp32 `lora_state` when given, every parameter rounded to bf16 (the RoPE
     buffers stay fp32), moved to `device`."""
-    model = model.float()
-    if lora_state is not None:
-        inject_lora(model, lora_state, rank, alpha, LORA_TARGETS)
-    for param in model.parameters():
-        param.data = param.data.to(torch.bfloat16)
-    return model.to(device).eval()
+    return bf16_trainer_model(model, lora_state, rank, alpha, LORA_TARGETS, device)
 
 
 @dataclass
