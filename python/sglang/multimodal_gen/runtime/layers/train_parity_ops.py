@@ -96,13 +96,27 @@ def gated_residual(
 AUTOCAST_RMS_NORM_IN_FP32 = torch.__version__ >= (2, 12)
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``torch.nn.RMSNorm`` (Wan's Q/K norms) under CUDA autocast: torch's own
-    kernel, which does not round before the weight multiply (unlike
-    ``rms_norm``); in fp32, with an fp32 result, where autocast runs it so."""
+def torch_rms_norm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """``torch.nn.RMSNorm`` / ``F.rms_norm`` (Wan's Q/K norms, LTX-2's norms)
+    under CUDA autocast: torch's own kernel, which does not round before the
+    weight multiply (unlike ``rms_norm``); in fp32, with an fp32 result, where
+    autocast runs it so."""
     if AUTOCAST_RMS_NORM_IN_FP32:
-        x, weight = x.float(), weight.float()
-    return F.rms_norm(x, weight.shape, weight, eps)
+        x = x.float()
+        weight = None if weight is None else weight.float()
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def rms_norm_scale_shift(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """LTX-2's ``rms_norm(x) * (1 + scale) + shift`` under CUDA autocast: the
+    weightless ``torch_rms_norm``, ``1 + scale`` in the modulation's dtype, the
+    product and the sum in the norm's output dtype, rounded to ``x``'s dtype
+    as autocast rounds it at the Linear that reads it."""
+    return (torch_rms_norm(x, None, eps) * (1 + scale) + shift).to(x.dtype)
 
 
 def rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -124,6 +138,22 @@ def rotary_emb_real(
     out[..., 0::2] = x1 * cos - x2 * sin
     out[..., 1::2] = x1 * sin + x2 * cos
     return out
+
+
+def split_rotary_emb(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """LTX-2's split RoPE (ltx-core ``apply_split_rotary_emb``): each head of
+    ``x`` [B, S, H * D] is two halves rotated by the tables [B, H, S, D / 2],
+    the cos product and the ``addcmul_`` in the dtype ``x`` and the tables
+    promote to. Returns [B, S, H * D] in that dtype."""
+    batch, heads, seq_len, _ = cos.shape
+    halves = x.reshape(batch, seq_len, heads, -1).swapaxes(1, 2).unflatten(-1, (2, -1))
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    out = halves * cos
+    out[..., :1, :].addcmul_(-sin, halves[..., 1:, :])
+    out[..., 1:, :].addcmul_(sin, halves[..., :1, :])
+    return out.flatten(-2).swapaxes(1, 2).reshape(batch, seq_len, -1)
 
 
 def attention(
@@ -159,6 +189,18 @@ def joint_attention(
         attn_mask = attn_mask[:, None, None, :]
     pin_flash = attn_mask is None and query.is_cuda
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if pin_flash else nullcontext():
+        return attention(query, key, value, attn_mask)
+
+
+def math_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``attention`` on SDPA's math kernel, which LTX-2's RL trainer pins;
+    ``attn_mask`` is additive, broadcast to [B, H, Sq, Sk]."""
+    with sdpa_kernel(SDPBackend.MATH):
         return attention(query, key, value, attn_mask)
 
 

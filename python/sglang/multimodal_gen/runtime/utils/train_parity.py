@@ -148,6 +148,12 @@ class TrainParityContract:
     # default (its own or the sampling params class's) the trainer does not
     # know.
     cfg_scale_fields: tuple[str, ...] = ()
+    # True where the trainer's step is one unguided forward: every CFG scale
+    # field must then be 1.
+    unguided: bool = False
+    # The pipeline classes whose stages compute the trainer's step, where the
+    # config serves several; empty for all.
+    pipeline_classes: tuple[str, ...] = ()
 
 
 def train_parity_contract(pipeline_config: Any) -> TrainParityContract | None:
@@ -195,6 +201,19 @@ def require_contract(args: ServerArgs) -> TrainParityContract:
             f"the model {args.model_path} (pipeline {config_cls.__name__})",
             why,
             f"serve a supported family: {supported_families()}",
+        )
+    # None serves the model's registered pipeline
+    pipeline = getattr(args, "pipeline_class_name", None)
+    if (
+        pipeline is not None
+        and contract.pipeline_classes
+        and (pipeline not in contract.pipeline_classes)
+    ):
+        raise TrainParityError(
+            f"the pipeline {pipeline}",
+            f"{contract.family}'s train_parity step is that of "
+            f"{', '.join(contract.pipeline_classes)}",
+            f"serve {contract.pipeline_classes[0]}",
         )
     return contract
 
@@ -571,6 +590,12 @@ def _request_input_problems(
                 "the pipeline would guide with a default scale the trainer does "
                 "not know",
                 f"set {field} (1 for no CFG)",
+            )
+        elif contract.unguided and getattr(params, field) != 1:
+            yield (
+                f"{field}={getattr(params, field)}",
+                f"{contract.family}'s trainer steps without CFG",
+                f"set {field}=1",
             )
     max_pixels = server_args.train_parity_max_image_pixels
     if params.width is not None and params.height is not None:
