@@ -182,24 +182,33 @@ class Comparator:
         return result
 
 
-def compare_case(family, model, reference, inputs, controls, device) -> dict:
-    """One case of a family module's (`sglang_train_parity.wan`, `.qwen_image21`) parity run:
-    the reference outputs once; the fork's forward with every module compared as produced;
-    then the fork's forward under each control (a context manager factory), root only."""
+def compare_case(
+    family, model, reference, inputs, controls, device, pair_of=None, outputs=()
+) -> dict:
+    """One case of a family module's (`sglang_train_parity.wan`, `.qwen_image21`, `.ltx2`) parity
+    run: the reference outputs once; the fork's forward with every module compared as produced
+    (`pair_of`: the family's pairing, default `family.sglang_to_diffusers`), and the named
+    `outputs` of its result besides the root; then the fork's forward under each control (a
+    context manager factory), root only."""
     import torch
     from sglang_train_parity.compare import ulp_distance
 
     out, ref_outputs = family.reference_forward(reference, inputs, device)
-    comparator = Comparator({"ref": ref_outputs}, True, family.sglang_to_diffusers)
+    comparator = Comparator(
+        {"ref": ref_outputs}, True, pair_of or family.sglang_to_diffusers
+    )
     handles = [
         m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
     ]
     try:
-        ours = family.sglang_forward(model, inputs, device)[""]
+        results = family.sglang_forward(model, inputs, device)
     finally:
         for handle in handles:
             handle.remove()
-    comparator.compare_one("", ours, "ref")
+    for name in ("", *outputs):
+        comparator.compare_one(name, results[name], "ref")
+    ours = results[""]
+    del results
     summary = comparator.summaries()["ref"]
     summary.pop("compared")
     del ref_outputs

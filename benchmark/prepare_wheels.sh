@@ -8,7 +8,8 @@
 # opentelemetry-api (fastapi's), python-multipart, setproctitle and imageio-ffmpeg, the last built from
 # its sdist, which bundles no ffmpeg binary (the platform wheel's is 27 MB; sglang imports the module at
 # server start and calls it only to write videos). Found by a CPU run of the demo with every package
-# the image lacks blocked; pytest (and its pluggy, iniconfig) for the fork's unit tests that need CUDA. ~60 MB in all.
+# the image lacks blocked; pytest (and its pluggy, iniconfig) for the fork's unit tests that need CUDA;
+# ltx-core (LTX-2's trainer model) and its einops. ~60 MB in all.
 #
 #   [PYTHON=.venv/bin/python] bash benchmark/prepare_wheels.sh /path/to/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
 # (PYTHON: an interpreter with forktools' requirements, unidiff among them; default python3)
@@ -33,6 +34,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 \
     executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 \
     fastapi==0.165.0 opentelemetry-api==1.45.2 python-multipart==0.0.34 setproctitle==1.3.8 \
-    pytest==8.3.5 pluggy==1.5.0 iniconfig==2.0.0
+    pytest==8.3.5 pluggy==1.5.0 iniconfig==2.0.0 \
+    ltx-core==1.0.0 einops==0.8.2
 python3 -m pip wheel -q --no-deps --no-binary=:all: -w .whl imageio-ffmpeg==0.5.1
 du -sh .whl

@@ -2,10 +2,11 @@
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
 #   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
-#                               qwen21-unit|qwen21-parity|qwen21-speed|all]
+#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2|all]
 #
 # wan: wan-parity, then wan-speed (one device call for both). qwen21-unit: the fork's Qwen-Image 2.1
-# unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too.
+# unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too. ltx2: the fork's
+# LTX-2 unit tests, benchmark/gpu_parity_ltx2.py, then `speed.py --family ltx-2`.
 #
 # demo: `sglang-train-parity demo --device cuda` (DEMO_MODEL_ID: the tiny model, default Qwen-Image,
 # e.g. Wan2.2-T2V-A14B-Diffusers), the real `sglang serve` on the GPU (train_parity,
@@ -75,6 +76,29 @@ if [ "$what" = qwen21-speed ]; then
     src=$?
     echo "speed (qwen-image-2.1) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_qwen21.log" | tail -30
+fi
+if [ "$what" = ltx2 ]; then
+    # the fork's LTX-2 unit tests (their whole-forward test needs CUDA), the parity run at real
+    # widths, then the speed at full depth
+    site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${LTX2_UNIT_TIMEOUT:-120}" python3 -c 'import sys; sys.path.insert(0, ".")
+from benchmark import gpu_standins; gpu_standins.install()
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
+        "$site/multimodal_gen/test/unit/test_ltx2_train_parity.py" >"$OUT/ltx2_unit.log" 2>&1
+    urc=$?
+    echo "ltx2 unit tests exit $urc"; rc=$((rc | urc))
+    tail -3 "$OUT/ltx2_unit.log"
+    timeout "${LTX2_PARITY_TIMEOUT:-240}" python3 benchmark/gpu_parity_ltx2.py --out "$OUT/gpu_parity_ltx2.json" \
+        --budget-s "${LTX2_PARITY_BUDGET:-170}" >"$OUT/gpu_parity_ltx2.log" 2>&1
+    lrc=$?
+    echo "gpu_parity_ltx2 exit $lrc"; rc=$((rc | lrc))
+    grep -E "^ltx-2|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_ltx2.log" | tail -20
+    timeout "${LTX2_SPEED_TIMEOUT:-300}" python3 benchmark/speed.py --family ltx-2 \
+        --out "$OUT/speed_ltx2.json" --steps "${LTX2_SPEED_STEPS:-5}" --warmup 2 \
+        --variants "${SPEED_VARIANTS:-train_parity,default,ltx-core}" >"$OUT/speed_ltx2.log" 2>&1
+    src=$?
+    echo "speed (ltx-2) exit $src"; rc=$((rc | src))
+    grep -E "median|^variant|^train_parity|^default|^ltx-core|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_ltx2.log" | tail -30
 fi
 if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
     timeout "${WAN_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family wan --out "$OUT/speed_wan.json" \

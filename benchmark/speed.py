@@ -21,6 +21,13 @@ tokens after the 211- / 77-token prompt, LoRA r64 on the seven projections of ev
 default variant caches the prompt's K/V after the first step, as it does within a request, and its
 diffusers variant runs the native attention backend with no KV cache, as the trainer does.
 
+`--family ltx-2`: the same for LTX-2 (19B)'s DiT (48 blocks, 121 frames at 512x768 = 6144 video
+tokens + 126 audio tokens, 1024 text tokens, one unguided forward per step as miles trains it, LoRA
+r64 on miles' targets): train_parity runs both streams without the audio-video cross-attention,
+the default variant as the default server calls it (cross-attention on, the prompt K/V projected
+once), the `ltx-core` variant is the trainer's forward (ltx-core + PEFT under autocast, SDPA math,
+the video stream alone).
+
 `--family wan`: the same for Wan2.1-T2V-14B's DiT (40 blocks, 81 frames at 480x832 = 32760 video
 tokens, T5 text zero-padded to 512 tokens, LoRA r64 on self-/cross-attention and FFN), the default
 variant with Wan's fused q/k norm-RoPE predicate guarded by the harness. The variants share their
@@ -66,6 +73,17 @@ FAMILY_SPECS = {
             "_class_name": "QwenImage21Pipeline",
             "_diffusers_version": "0.42.1",
             "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+        },
+    },
+    "ltx-2": {
+        "model_cls": "LTX2VideoTransformer3DModel",
+        "targets": None,  # sglang_train_parity.ltx2.LORA_TARGETS
+        "default_layers": 48,
+        "model_id": "LTX-2",
+        "model_index": {
+            "_class_name": "LTX2Pipeline",
+            "_diffusers_version": "0.42.1",
+            "transformer": ["diffusers", "LTX2VideoTransformer3DModel"],
         },
     },
     "wan": {
@@ -651,6 +669,111 @@ def qwen21_diffusers_step_fn(model, config, grid, device):
     return step
 
 
+def ltx2_inputs(config: dict, clip: tuple[int, int, int], device):
+    from benchmark.gpu_parity_ltx2 import TEXT_TOKENS, audio_tokens, latent_grid
+    from sglang_train_parity.ltx2 import LTX2DiTInputs
+
+    frames, height, width = clip
+    inputs = LTX2DiTInputs.random(
+        1, latent_grid(*clip), audio_tokens(frames), TEXT_TOKENS, config, 999.0, seed=7
+    )
+    for field in ("latents", "audio_latents", "text"):
+        setattr(inputs, field, getattr(inputs, field).to(device))
+    return inputs
+
+
+def ltx2_fork_step_fn(model, config, clip, device):
+    """One unguided forward per step, as the denoising stage calls the DiT: under train_parity
+    without the audio-video cross-attention, the default path with it and the prompt K/V
+    projected once per request."""
+    import torch
+    from sglang_train_parity.ltx2 import FPS
+
+    from sglang.multimodal_gen.runtime.managers.forward_context import (
+        set_forward_context,
+    )
+
+    inputs = ltx2_inputs(config, clip, device)
+    frames, height, width = inputs.grid
+    call = dict(
+        hidden_states=inputs.latents.bfloat16(),
+        audio_hidden_states=inputs.audio_latents.bfloat16(),
+        encoder_hidden_states=inputs.text,
+        audio_encoder_hidden_states=inputs.text,
+        num_frames=frames,
+        height=height,
+        width=width,
+        fps=FPS,
+        audio_num_frames=inputs.audio_latents.shape[1],
+        return_latents=False,
+    )
+    if model.train_parity:
+        call.update(disable_a2v_cross_attn=True, disable_v2a_cross_attn=True)
+    else:
+        key = model.prepare_prompt_kv(inputs.text, inputs.text)
+        call.update(
+            encoder_hidden_states=None,
+            audio_encoder_hidden_states=None,
+            cached_prompt_kv=key,
+        )
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        with torch.no_grad(), set_forward_context(
+            current_timestep=i, attn_metadata=None, forward_batch=None
+        ):
+            return model(**call, timestep=ts[i % 64])[0]
+
+    return step
+
+
+def build_ltx2_reference(config: dict, device: str):
+    """ltx-core's LTXModel + PEFT with the fork variants' weights and LoRA (same draws), every
+    parameter bf16."""
+    import diffusers
+    import torch
+    from sglang_train_parity import ltx2
+    from sglang_train_parity.reference import inject_lora
+
+    with torch.device("meta"):
+        full_config = dict(diffusers.LTX2VideoTransformer3DModel(**config).config)
+        model = ltx2.ltx_core_model(full_config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in gpu_common.random_weights_iterator(
+            config, 0, device, "LTX2VideoTransformer3DModel"
+        ):
+            params.pop(ltx2.ltx_core_name(name)).copy_(tensor)
+    if params:
+        raise RuntimeError(f"ltx-core parameters without a weight: {sorted(params)[:4]}")
+    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family="ltx-2")
+    inject_lora(model, state, LORA_RANK, LORA_ALPHA, ltx2.LORA_TARGETS)
+    del state
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return model.eval(), {"attention": "SDPA math"}
+
+
+def ltx2_reference_step_fn(model, config, clip, device):
+    """The trainer's step: the video stream alone, under CUDA autocast, SDPA math."""
+    import torch
+    from sglang_train_parity.autocast_emulation import cuda_autocast
+    from sglang_train_parity.ltx2 import trainer_modalities
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inputs = ltx2_inputs(config, clip, device)
+    ts = timesteps_for(64, device)
+
+    def step(i):
+        inputs.timestep = ts[i % 64]
+        video, _ = trainer_modalities(inputs, device)
+        with torch.no_grad(), cuda_autocast(device), sdpa_kernel(SDPBackend.MATH):
+            return model(video=video, audio=None, perturbations=None)[0]
+
+    return step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -670,8 +793,9 @@ def main() -> int:
     t_start = time.monotonic()
     gpu_common.setup(args.device, args.jit)
     import torch
-    from sglang_train_parity import qwen_image21, reference, wan
+    from sglang_train_parity import ltx2, qwen_image21, reference, wan
 
+    FAMILY_SPECS["ltx-2"]["targets"] = ltx2.LORA_TARGETS
     FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
     FAMILY_SPECS["qwen-image-2.1"]["targets"] = qwen_image21.LORA_TARGETS
     FAMILY_SPECS["wan"]["targets"] = wan.LORA_TARGETS
@@ -695,6 +819,17 @@ def main() -> int:
             config,
             spec["model_cls"],
             spec["model_index"],
+        )
+    elif args.family == "ltx-2":
+        from benchmark.gpu_parity_ltx2 import LTX2_19B
+
+        config = dict(LTX2_19B, num_layers=layers)
+        if args.tiny:
+            config.update(ltx2.TINY_DIT_CONFIG, num_layers=layers)
+        clip = (9, 64, 96) if args.tiny else (121, 512, 768)
+        shape = {"video": "x".join(map(str, clip)), "text_tokens": 1024}
+        model_dir = gpu_common.write_config_only_model_dir(
+            args.workdir / "LTX-2-speed", config, spec["model_cls"], spec["model_index"]
         )
     elif args.family == "wan":
         from benchmark.gpu_parity_wan import WAN_14B
@@ -729,7 +864,11 @@ def main() -> int:
         "config": config,
         **shape,
         "batch": 1,
-        "cfg": "two forwards per step (cond, uncond) + combine",
+        "cfg": (
+            "none: one forward per step"
+            if args.family == "ltx-2"
+            else "two forwards per step (cond, uncond) + combine"
+        ),
         "lora": {
             "rank": LORA_RANK,
             "alpha": LORA_ALPHA,
@@ -762,7 +901,10 @@ def main() -> int:
                     torch.cuda.memory_allocated() / 2**30, 2
                 )
                 torch.cuda.reset_peak_memory_stats()
-            if variant == "diffusers" and args.family == "wan":
+            if variant == "ltx-core":
+                model, info = build_ltx2_reference(config, args.device)
+                step = ltx2_reference_step_fn(model, config, clip, args.device)
+            elif variant == "diffusers" and args.family == "wan":
                 model, info = build_wan_diffusers(config, args.device)
                 step = wan_diffusers_step_fn(model, config, clip, args.device)
             elif variant == "diffusers" and args.family == "qwen-image-2.1":
@@ -775,7 +917,9 @@ def main() -> int:
                 model, info = build_fork(
                     variant, config, model_dir, args.device, harness, args.family
                 )
-                if args.family == "wan":
+                if args.family == "ltx-2":
+                    step = ltx2_fork_step_fn(model, config, clip, args.device)
+                elif args.family == "wan":
                     step = wan_fork_step_fn(model, config, clip, args.device)
                 elif args.family == "qwen-image-2.1":
                     step = qwen21_fork_step_fn(model, config, grid, args.device)
@@ -827,23 +971,25 @@ def main() -> int:
         )
 
     v = result["variants"]
-    if "diffusers" in step_outputs:
+    # the trainer's forward: ltx-core for LTX-2, diffusers for the others
+    trainer = "ltx-core" if args.family == "ltx-2" else "diffusers"
+    if trainer in step_outputs:
         from sglang_train_parity.compare import ulp_distance
 
-        theirs = step_outputs["diffusers"]
-        result["step_output_vs_diffusers"] = {
+        theirs = step_outputs[trainer]
+        result[f"step_output_vs_{trainer}"] = {
             k: {"equal": torch.equal(out, theirs), "max_ulp": ulp_distance(out, theirs)}
             for k, out in step_outputs.items()
-            if k != "diffusers"
+            if k != trainer
         }
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     if med.get("train_parity") and med.get("default"):
         result["train_parity_over_default"] = round(
             med["train_parity"] / med["default"], 3
         )
-    if med.get("train_parity") and med.get("diffusers"):
-        result["train_parity_over_diffusers"] = round(
-            med["train_parity"] / med["diffusers"], 3
+    if med.get("train_parity") and med.get(trainer):
+        result[f"train_parity_over_{trainer}"] = round(
+            med["train_parity"] / med[trainer], 3
         )
     # family-level gap: where train_parity spends more kernel time than the default path
     kt = {k: ((e.get("profile") or {}).get("kernel_time_ms")) for k, e in v.items()}
@@ -875,9 +1021,9 @@ def main() -> int:
             f"{k:14s} {e.get('step_ms_median')!s:>15s} {e.get('step_ms_p10')!s:>9s} {e.get('step_ms_p90')!s:>9s} {e.get('peak_gib')!s:>9s}"
         )
     for k in (
-        "step_output_vs_diffusers",
+        f"step_output_vs_{trainer}",
         "train_parity_over_default",
-        "train_parity_over_diffusers",
+        f"train_parity_over_{trainer}",
         "kernel_time_ms_per_step",
         "train_parity_over_default_kernel_time",
         "family_gap_ms_train_parity_minus_default",

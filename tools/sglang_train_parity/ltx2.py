@@ -386,7 +386,13 @@ def build_tiny_dit(root: Path, seed: int = 0) -> Path:
     model_index.json and transformer/), for sglang's transformer loader. Seconds."""
     root.mkdir(parents=True, exist_ok=True)
     random_transformer(seed).save_pretrained(root / "transformer")
+    write_dit_model_index(root)
+    return root
+
+
+def write_dit_model_index(root: Path) -> None:
+    """The model_index.json of a folder that holds LTX-2's DiT alone (sglang resolves the
+    pipeline from it and the folder name, which must contain "ltx-2")."""
     index = {k: v for k, v in MODEL_INDEX.items() if k.startswith("_")}
     index["transformer"] = MODEL_INDEX["transformer"]
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
-    return root
