@@ -55,15 +55,6 @@ CASES = (
 )
 
 
-def latent_grid(frames: int, height: int, width: int) -> tuple[int, int, int]:
-    return (frames - 1) // 8 + 1, height // 32, width // 32
-
-
-def audio_tokens(frames: int, fps: float = 24.0) -> int:
-    """The pipeline's audio latent length: 25 latents per second of video."""
-    return round(frames / fps * 25)
-
-
 def write_masters(root: Path, config: dict, seed: int) -> Path:
     """diffusers' LTX-2 DiT with random weights at real scale, saved as fp32 masters."""
     from diffusers import LTX2VideoTransformer3DModel
@@ -154,8 +145,8 @@ def main() -> int:
             continue
         inputs = ltx2.LTX2DiTInputs.random(
             batch,
-            latent_grid(frames, height, width),
-            audio_tokens(frames),
+            ltx2.latent_grid(frames, height, width),
+            ltx2.audio_tokens(frames),
             16 if args.tiny else TEXT_TOKENS,
             config,
             timestep,

@@ -670,8 +670,8 @@ def qwen21_diffusers_step_fn(model, config, grid, device):
 
 
 def ltx2_inputs(config: dict, clip: tuple[int, int, int], device):
-    from benchmark.gpu_parity_ltx2 import TEXT_TOKENS, audio_tokens, latent_grid
-    from sglang_train_parity.ltx2 import LTX2DiTInputs
+    from benchmark.gpu_parity_ltx2 import TEXT_TOKENS
+    from sglang_train_parity.ltx2 import LTX2DiTInputs, audio_tokens, latent_grid
 
     frames, height, width = clip
     inputs = LTX2DiTInputs.random(

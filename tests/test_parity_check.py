@@ -1,4 +1,4 @@
-"""`sglang-train-parity check` on the tiny Qwen-Image, Qwen-Image 2.1 and Wan models (CPU): bitwise
+"""`sglang-train-parity check` on the tiny Qwen-Image, Qwen-Image 2.1, Wan and LTX-2 models (CPU): bitwise
 equal under train_parity with a LoRA adapter (both experts of Wan2.2 A14B, video cases), the negative control
 (`--numerics default`) fails and names the first diverging module, a RoPE-table mismatch names the
 option that fixes it, and bad input is refused with a clear message (exit 2) before any model is
@@ -132,6 +132,29 @@ def test_qwen21_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
     assert report["first_divergence"] == "time_text_embed.timestep_embedder.linear_1"
 
 
+@pytest.mark.slow
+def test_ltx2_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
+    """The embedded tiny LTX-2 DiT (--model-id): train_parity with LoRA on miles' targets
+    against ltx-core, both streams, then upstream's numerics, which differ from the first
+    attention's input on (its norm-modulate rounds where CUDA autocast does not; at t=500 the
+    trainer's bf16 sigma is exact, so the time embedding agrees)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the tiny model goes there
+    common = ["--model-id", "LTX-2", "--image-sizes", "64x96", "--timesteps", "500"]
+    result = parity_check(*common, "--batch-sizes", "1,2", "--out-dir", str(tmp_path / "tp"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "tp" / "report.json").read_text())
+    assert report["equal"] and report["model_id"] == "LTX-2"
+    compared = {p["sglang"] for case in report["cases"] for p in case["pairs"]}
+    for module in ("", "audio", "transformer_blocks.1.ff.proj_out.base_layer"):
+        assert module in compared, module
+    result = parity_check(
+        *common, "--numerics", "default", "--batch-sizes", "1", "--out-dir", str(tmp_path / "d")
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["first_divergence"] == "transformer_blocks.0.attn1.to_v"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -144,8 +167,10 @@ def test_qwen21_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
         (["--model-id", "Wan2.1-I2V-14B-480P-Diffusers"], "no embedded tiny model"),
         (
             ["--model-id", A14B, "--trainer-rope-tables", "cpu"],
-            "builds its RoPE tables at construction",
+            "builds its RoPE tables in one place",
         ),
+        (["--model-id", "LTX-2", "--frames", "13"], "give 8k+1 frames"),
+        (["--model-id", "LTX-2", "--image-sizes", "48"], "multiples of 32 pixels"),
         (["--model-id", A14B, "--lora-path", "x.safetensors"], "has 2 experts"),
         (
             ["--model-id", "Wan2.2-TI2V-5B-Diffusers", "--image-sizes", "48"],

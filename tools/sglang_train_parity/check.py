@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """`sglang-train-parity check`: the sglang DiT against the training forward (diffusers + PEFT under
-CUDA bf16 autocast), module by module, on the same inputs and weights.
+CUDA bf16 autocast; ltx-core + PEFT for LTX-2), module by module, on the same inputs and weights.
 
 Every combination of the chosen batch sizes, text lengths, image sizes, frame counts (video
 families) and timesteps is one case, run on every DiT of the model (both experts of Wan2.2 A14B).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from sglang_train_parity import qwen_image21, reference, wan
+from sglang_train_parity import ltx2, qwen_image21, reference, wan
 from sglang_train_parity.compare import compare_modules, first_divergence
 from sglang_train_parity.cpu_kernels import register_cpu_kernels
 from sglang_train_parity.families import FAMILIES, Family, family_of
@@ -165,6 +165,7 @@ class WanCheck:
     per-token timesteps where the pipeline expands them (Wan2.2 TI2V-5B)."""
 
     video = True
+    temporal_downsampling = 4
     tiny_model_ids = tuple(wan.TINY_VARIANTS)
     trainer_chooses_rope_tables = False
 
@@ -199,7 +200,7 @@ class WanCheck:
     def forwards(self, dit, model, case: Case, seed: int, device: str):
         inputs = wan.WanDiTInputs.random(
             case.batch,
-            (case.frames - 1) // 4 + 1,  # the VAE's 4x temporal downsampling
+            (case.frames - 1) // self.temporal_downsampling + 1,
             2 * case.height // self.pixels_per_patch,
             2 * case.width // self.pixels_per_patch,
             case.text_length,
@@ -212,11 +213,59 @@ class WanCheck:
         return ours, wan.reference_forward(model, inputs, device)[1]
 
 
+class LTX2Check:
+    """What the check runs for LTX-2 text-to-video: video latents (the VAE's 8x temporal and 32x
+    spatial downsampling), the audio tokens the pipeline pairs with the clip, both streams: the
+    trainer's video stream alone and ltx-core's audio stream alone."""
+
+    video = True
+    temporal_downsampling = 8
+    pixels_per_patch = 32
+    tiny_model_ids = (ltx2.MODEL_ID,)
+    trainer_chooses_rope_tables = False
+
+    def __init__(self, model_dir: Path | None, model_id: str) -> None:
+        self.model_id = model_id
+
+    @staticmethod
+    def model_id_of(model_dir: Path) -> str:
+        return ltx2.MODEL_ID
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        if (root / "model_index.json").is_file():
+            return root
+        return ltx2.build_tiny_dit(root)
+
+    @staticmethod
+    def experts(model_dir: Path | None, model_id: str) -> tuple[str, ...]:
+        return ("transformer",)
+
+    @staticmethod
+    def reference(masters, state, rank, alpha, device, rope_tables):
+        # ltx-core builds its RoPE tables where the positions are, at every forward
+        return ltx2.build_reference(masters, state, rank, alpha, device)
+
+    def forwards(self, dit, model, case: Case, seed: int, device: str):
+        inputs = ltx2.LTX2DiTInputs.random(
+            case.batch,
+            ltx2.latent_grid(case.frames, case.height, case.width),
+            ltx2.audio_tokens(case.frames),
+            case.text_length,
+            ltx2.input_dims(model),
+            case.timestep,
+            seed=seed,
+        )
+        ours = ltx2.sglang_forward(dit, inputs, device)
+        return ours, ltx2.reference_forward(model, inputs, device)[1]
+
+
 # family name (families.FAMILIES) -> what the check runs for it
 FAMILY_CHECKS = {
     "Qwen-Image": QwenImageCheck,
     "Qwen-Image 2.1 (text-to-image)": QwenImage21Check,
     "Wan (text-to-video)": WanCheck,
+    "LTX-2 (text-to-video)": LTX2Check,
 }
 TINY_MODEL_IDS = tuple(
     i for check in FAMILY_CHECKS.values() for i in check.tiny_model_ids
@@ -495,10 +544,17 @@ def validate(args, parser) -> None:
         parser.error(f"--frames: {args.model_id} is an image model")
     if check.video:
         args.frames = args.frames or [9]
+        step = check.temporal_downsampling
+        if any((frames - 1) % step for frames in args.frames):
+            parser.error(
+                f"--frames: {args.model_id}'s VAE keeps the first frame and downsamples the "
+                f"rest by {step}: give {step}k+1 frames"
+            )
     if args.trainer_rope_tables is not None and not check.trainer_chooses_rope_tables:
         parser.error(
-            f"--trainer-rope-tables: {args.model_id}'s trainer (diffusers) builds its RoPE "
-            "tables at construction, on the CPU; only Qwen-Image's trainers choose"
+            f"--trainer-rope-tables: {args.model_id}'s trainer builds its RoPE tables in one "
+            "place (diffusers' Wan at construction, on the CPU; ltx-core where the positions "
+            "are); only Qwen-Image's trainers choose"
         )
     if args.max_rows < 0:
         parser.error("--max-rows must be >= 0")

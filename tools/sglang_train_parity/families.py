@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What the tools need of each DiT family with a train_parity contract, in one record per
-trainer model class: the pipeline configs whose contracts the server accepts (declared in
-sglang), the diffusers class of the trainer's model, the trainer's LoRA targets, how sglang's
-modules pair with diffusers' and how the served DiT names the trainer's parameters. A family the
+served transformer class: the pipeline configs whose contracts the server accepts (declared in
+sglang), the diffusers class of the checkpoint's transformer (the trainer's model, or what the
+trainer loads its model from: LTX-2's is ltx-core's), the trainer's LoRA targets, how sglang's
+modules pair with the trainer's and how the served DiT names the trainer's parameters. A family the
 server accepts and the tools do not know is a test failure (tests/test_families.py), and so is
 one the parity check does not run."""
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sglang_train_parity import qwen_image21, reference, wan
+from sglang_train_parity import ltx2, qwen_image21, reference, wan
 
 from sglang.multimodal_gen.configs.models.dits import WanVideoConfig
+from sglang.multimodal_gen.configs.models.dits.ltx_2 import LTX2_PARAM_NAMES_MAPPING
+from sglang.multimodal_gen.configs.pipeline_configs.ltx_2 import LTX2PipelineConfig
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
@@ -81,6 +84,14 @@ FAMILIES = (
         lora_targets=wan.LORA_TARGETS,
         pair_of=wan.sglang_to_diffusers,
         param_names_mapping=WanVideoConfig().arch_config.param_names_mapping,
+    ),
+    Family(
+        name="LTX-2 (text-to-video)",
+        pipeline_configs=(LTX2PipelineConfig,),
+        diffusers_class="LTX2VideoTransformer3DModel",
+        lora_targets=ltx2.LORA_TARGETS,
+        pair_of=ltx2.sglang_to_ltx_core,
+        param_names_mapping=LTX2_PARAM_NAMES_MAPPING,
     ),
 )
 

@@ -139,6 +139,25 @@ def build_reference(
     )
 
 
+def latent_grid(frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The video latents of a clip (frames 8k + 1, sides in multiples of 32 pixels)."""
+    return (frames - 1) // SCALE_FACTORS[0] + 1, height // SCALE_FACTORS[1], width // SCALE_FACTORS[2]
+
+
+def audio_tokens(frames: int) -> int:
+    """The audio latents the pipeline pairs with `frames` video frames: 25 per second."""
+    return round(frames / FPS * 25)
+
+
+def input_dims(model: nn.Module) -> dict[str, int]:
+    """The input widths of ltx-core's `model`, as LTX2DiTInputs.random takes them."""
+    return dict(
+        in_channels=model.patchify_proj.in_features,
+        audio_in_channels=model.audio_patchify_proj.in_features,
+        caption_channels=model.caption_projection.linear_1.in_features,
+    )
+
+
 @dataclass
 class LTX2DiTInputs:
     """One DiT call in the form both sides take: video latents [B, F * H * W, C] and audio latents
