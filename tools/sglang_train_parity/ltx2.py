@@ -161,11 +161,12 @@ def input_dims(model: nn.Module) -> dict[str, int]:
 @dataclass
 class LTX2DiTInputs:
     """One DiT call in the form both sides take: video latents [B, F * H * W, C] and audio latents
-    [B, A, Ca] fp32 (tokens, patch size 1), text [B, L, caption_channels] bf16 (the connectors'
-    output), timestep [B] fp32 on the 0..1000 scale; (F, H, W) the latent grid."""
+    [B, A, Ca] fp32 (tokens, patch size 1; None: the video stream alone, as the trainer has it),
+    text [B, L, caption_channels] bf16 (the connectors' output), timestep [B] fp32 on the 0..1000
+    scale; (F, H, W) the latent grid."""
 
     latents: torch.Tensor
-    audio_latents: torch.Tensor
+    audio_latents: torch.Tensor | None
     text: torch.Tensor
     timestep: torch.Tensor
     grid: tuple[int, int, int]
@@ -213,9 +214,6 @@ def trainer_modalities(inputs: LTX2DiTInputs, device: str | torch.device):
     )
     positions = get_pixel_coords(bounds, SCALE_FACTORS, causal_fix=True).float()
     positions[:, 0, ...] = positions[:, 0, ...] / FPS
-    audio_positions = AudioPatchifier(patch_size=1).get_patch_grid_bounds(
-        AudioLatentShape(batch, 1, inputs.audio_latents.shape[1], 1), device
-    )
     sigma = inputs.timestep.to(device, torch.bfloat16) / 1000
     text = inputs.text.to(device)
 
@@ -228,27 +226,41 @@ def trainer_modalities(inputs: LTX2DiTInputs, device: str | torch.device):
             context=text,
         )
 
-    return (
-        modality(inputs.latents, positions.to(torch.bfloat16)),
-        modality(inputs.audio_latents, audio_positions),
+    video = modality(inputs.latents, positions.to(torch.bfloat16))
+    if inputs.audio_latents is None:
+        return video, None
+    audio_positions = AudioPatchifier(patch_size=1).get_patch_grid_bounds(
+        AudioLatentShape(batch, 1, inputs.audio_latents.shape[1], 1), device
     )
+    return video, modality(inputs.audio_latents, audio_positions)
+
+
+def trainer_forward(
+    model: nn.Module, inputs: LTX2DiTInputs, device_type: str
+) -> torch.Tensor:
+    """The trainer's forward: the video stream alone under CUDA autocast's policy (emulated off
+    CUDA), SDPA's math kernel; the video output."""
+    from sglang_train_parity.autocast_emulation import cuda_autocast
+
+    video, _ = trainer_modalities(inputs, device_type)
+    with torch.no_grad(), cuda_autocast(device_type), sdpa_kernel(SDPBackend.MATH):
+        return model(video=video, audio=None, perturbations=None)[0]
 
 
 def reference_forward(
     model: nn.Module, inputs: LTX2DiTInputs, device_type: str
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The trainer's forward, each stream alone under CUDA autocast's policy (emulated off CUDA)
-    with SDPA's math kernel: the video output and every module's output by ltx-core name (the
-    audio modules' from the audio call)."""
+    """`trainer_forward`, then ltx-core's audio stream alone the same way: the video output and
+    every module's output by ltx-core name (the audio modules' from the audio call)."""
     from sglang_train_parity.autocast_emulation import cuda_autocast
     from sglang_train_parity.sglang_dit import record_outputs
 
-    video, audio = trainer_modalities(inputs, device_type)
     outputs: dict[str, torch.Tensor] = {}
     handles = record_outputs(model, outputs)
     try:
+        output = trainer_forward(model, inputs, device_type)
+        _, audio = trainer_modalities(inputs, device_type)
         with torch.no_grad(), cuda_autocast(device_type), sdpa_kernel(SDPBackend.MATH):
-            output, _ = model(video=video, audio=None, perturbations=None)
             _, outputs["audio"] = model(video=None, audio=audio, perturbations=None)
     finally:
         for handle in handles:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from sglang_train_parity import qwen_image21, wan
+from sglang_train_parity import ltx2, qwen_image21, wan
 from sglang_train_parity.tiny_model import default_model_dir
 
 if TYPE_CHECKING:
@@ -467,6 +467,8 @@ class QwenImageDemo:
     # the default server takes the adapters as --push-dtypes sends them
     default_push_dtype: str | None = None
     cpu_site_code = ""
+    # the step output the scheduler steps with, by its fingerprint name
+    combined = "combined"
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_dir, self.model_id = model_dir, model_id
@@ -568,6 +570,7 @@ class WanDemo:
     # the default server gets the bf16 copies
     default_push_dtype: str | None = "bf16"
     cpu_site_code = ""
+    combined = "combined"
 
     def __init__(self, model_dir: Path, model_id: str) -> None:
         self.model_dir, self.model_id = model_dir, model_id
@@ -663,10 +666,78 @@ class WanDemo:
         return steps, experts
 
 
+class LTX2Demo:
+    """What the demo does for LTX-2 text-to-video: 9-frame 64x64 clips with their audio (2 x 2 x
+    2 video tokens), no CFG (miles trains LTX-2 unguided), the video stream recomputed as the
+    trainer runs it, alone; the audio stream the server generates beside it is not the
+    trainer's and is not checked."""
+
+    family_name = "LTX-2 (text-to-video)"
+    model_ids = (ltx2.MODEL_ID,)
+    experts = ("transformer",)
+    request = dict(
+        {k: v for k, v in ROLLOUT_COMMON.items() if k != "negative_prompt"},
+        width=64,
+        height=64,
+        num_frames=9,
+        guidance_scale=1.0,  # sent always: the contract refuses a request without it
+    )
+    # upstream's LoRA GEMM takes fp32 A and B next to bf16 activations (as Wan's)
+    default_push_dtype: str | None = "bf16"
+    cpu_site_code = ""
+    # the DiT returns (video, audio): the video's fingerprints are ".0"
+    combined = "combined.0"
+
+    def __init__(self, model_dir: Path, model_id: str) -> None:
+        self.model_dir, self.model_id = model_dir, model_id
+        self.family = _family(model_dir, self.family_name)
+
+    @staticmethod
+    def build_tiny(model_id: str, root: Path) -> Path:
+        from sglang_train_parity.tiny_ltx2 import build_tiny_ltx2
+
+        return build_tiny_ltx2(root)
+
+    def trainer(self, expert, adapter, rank, alpha, device) -> torch.nn.Module:
+        from diffusers import LTX2VideoTransformer3DModel
+
+        masters = LTX2VideoTransformer3DModel.from_pretrained(
+            self.model_dir / expert, torch_dtype=torch.float32
+        )
+        return ltx2.build_reference(masters, adapter, rank, alpha, device)
+
+    def step_outputs(self, trainers, rollout, device):
+        """Every step's video output recomputed as miles' trainer calls ltx-core
+        (`ltx2.trainer_forward`: the rollout's latents and video text embeds, sigma = the
+        timestep in bf16 / 1000), by step index: the DiT's video output (``conditional.0``)
+        and the fp32 copy the scheduler steps with (``combined.0``)."""
+        env, trajectory = rollout["denoising_env"], rollout["dit_trajectory"]
+        text = env["pos_cond_kwargs"]["encoder_hidden_states"][None]
+        grid = ltx2.latent_grid(
+            self.request["num_frames"], self.request["height"], self.request["width"]
+        )
+        steps = {}
+        for step in range(len(trajectory["timesteps"]) - 1):
+            inputs = ltx2.LTX2DiTInputs(
+                trajectory["latents"][step][None],
+                None,
+                text,
+                trajectory["timesteps"][step].reshape(1).float(),
+                grid,
+            )
+            video = ltx2.trainer_forward(trainers["transformer"], inputs, device)
+            steps[step] = {
+                "conditional.0": video[0].cpu(),
+                "combined.0": video[0].float().cpu(),
+            }
+        return steps, dict.fromkeys(steps, "transformer")
+
+
 # family name (families.FAMILIES) -> what the demo does for it
-Demo = QwenImageDemo | QwenImage21Demo | WanDemo
+Demo = QwenImageDemo | QwenImage21Demo | WanDemo | LTX2Demo
 FAMILY_DEMOS = {
-    demo.family_name: demo for demo in (QwenImageDemo, QwenImage21Demo, WanDemo)
+    demo.family_name: demo
+    for demo in (QwenImageDemo, QwenImage21Demo, WanDemo, LTX2Demo)
 }
 DEMO_MODEL_IDS = tuple(i for demo in FAMILY_DEMOS.values() for i in demo.model_ids)
 
@@ -734,7 +805,7 @@ def parity_of_update(
     # the explanation: the same rollout, with the tensors the fingerprints summarize
     rollout = request_rollout(server, request, rollout_debug_mode=True)
     steps, _ = demo.step_outputs(trainers, rollout, device)
-    expected = torch.stack([steps[step]["combined"] for step in sorted(steps)])
+    expected = torch.stack([steps[step][demo.combined] for step in sorted(steps)])
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     if per_step is not None:
         per_step.extend((d.max().item(), d.mean().item()) for d in diff)

@@ -298,6 +298,19 @@ def test_an_all_valid_text_mask_computes_no_mask(monkeypatch):
     assert not torch.equal(unmasked[0], partly[0])
 
 
+def test_strided_latents_compute_as_dense_ones(monkeypatch):
+    """The stage packs latents into a strided [B, S, C] view; the trainer's are dense."""
+    _, dit = _tiny_dits()
+    monkeypatch.setattr(train_parity_ops, "AUTOCAST_RMS_NORM_IN_FP32", False)
+    inputs = _inputs()
+    batch, tokens, channels = inputs["hidden_states"].shape
+    strided = inputs["hidden_states"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    dense = _sglang(dit, inputs)
+    packed = _sglang(dit, inputs, hidden_states=strided.to(BF16))
+    assert all(map(torch.equal, dense, packed))
+
+
 @pytest.mark.parametrize(
     "kwargs, option",
     [
