@@ -5,7 +5,7 @@ each stream alone, every paired module compared.
     python tests/ltx2_parity_run.py MODEL_DIR OUT.json [--numerics M] [--updates 3]
 
 LoRA goes in as the post-training weight updater puts it (tests/qwen_parity_run.py). Writes one
-JSON record per (update, batch, timestep).
+JSON record per (update, case).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from sglang_train_parity.sglang_dit import (  # noqa: E402
 
 # an odd latent grid (frames, height, width), audio tokens, text tokens
 GRID, AUDIO_TOKENS, TEXT_TOKENS = (3, 2, 3), 7, 9
-BATCHES = (1, 2)
-TIMESTEPS = (999.0, 312.77)
+# (batch, timestep): 999 and 312.77 round in the trainer's bf16 sigma
+CASES = ((1, 999.0), (2, 312.77))
 
 
 def main() -> None:
@@ -63,32 +63,31 @@ def main() -> None:
         reference = ltx2.build_reference(
             copy.deepcopy(masters), state, args.lora_rank, args.lora_alpha
         )
-        for batch in BATCHES:
-            for timestep in TIMESTEPS:
-                inputs = ltx2.LTX2DiTInputs.random(
-                    batch,
-                    GRID,
-                    AUDIO_TOKENS,
-                    TEXT_TOKENS,
-                    dict(masters.config),
-                    timestep,
-                    seed=len(records),
-                )
-                ours = ltx2.sglang_forward(model, inputs)
-                _, theirs = ltx2.reference_forward(reference, inputs, "cpu")
-                pairs = compare_modules(ours, theirs, lora, ltx2.sglang_to_ltx_core)
-                outputs = {p["sglang"]: p for p in pairs if p["sglang"] in ("", "audio")}
-                records.append(
-                    {
-                        "update": update,
-                        "batch": batch,
-                        "timestep": timestep,
-                        "root_equal": outputs[""]["equal"],
-                        "root_max_ulp": outputs[""]["max_ulp"],
-                        "audio_equal": outputs["audio"]["equal"],
-                        "pairs": pairs,
-                    }
-                )
+        for batch, timestep in CASES:
+            inputs = ltx2.LTX2DiTInputs.random(
+                batch,
+                GRID,
+                AUDIO_TOKENS,
+                TEXT_TOKENS,
+                dict(masters.config),
+                timestep,
+                seed=len(records),
+            )
+            ours = ltx2.sglang_forward(model, inputs)
+            _, theirs = ltx2.reference_forward(reference, inputs, "cpu")
+            pairs = compare_modules(ours, theirs, lora, ltx2.sglang_to_ltx_core)
+            outputs = {p["sglang"]: p for p in pairs if p["sglang"] in ("", "audio")}
+            records.append(
+                {
+                    "update": update,
+                    "batch": batch,
+                    "timestep": timestep,
+                    "root_equal": outputs[""]["equal"],
+                    "root_max_ulp": outputs[""]["max_ulp"],
+                    "audio_equal": outputs["audio"]["equal"],
+                    "pairs": pairs,
+                }
+            )
     args.out.write_text(json.dumps(records, indent=1))
 
 

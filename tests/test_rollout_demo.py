@@ -223,6 +223,31 @@ def test_qwen21_demo_is_exact_and_default_is_not(tmp_path):
     assert live_processes(tag) == []
 
 
+def test_ltx2_demo_is_exact_and_default_is_not(tmp_path):
+    """LTX-2: its own pipeline (Gemma 3 encoder, connectors, video and audio VAEs, vocoder),
+    9-frame clips with audio, no CFG; three updates, the video stream of every step bitwise
+    the trainer's (ltx-core, video alone), then the default server (audio-video
+    cross-attention, fused kernels) differs on every step."""
+    env, tag = tagged_env(tmp_path)
+    result = run_demo(
+        env,
+        *("--model-id", "LTX-2", "--model-dir", str(tmp_path / "tiny-ltx-2")),
+        *("--updates", "3", "--steps", "2"),
+        timeout=400,
+    )
+    checks = {
+        (m, int(u)): (d, fp) for m, u, d, fp, _ in UPDATE_LINE.findall(result.stdout)
+    }
+    assert [checks[("train_parity", u)] for u in (1, 2, 3)] == [
+        ("fp32", "equal"),
+        ("bf16", "equal"),
+        ("fp32", "equal"),
+    ]
+    assert [checks[("default", u)][1] for u in (1, 2, 3)] == ["differ"] * 3
+    assert "train_parity: bitwise equal to the trainer's recompute" in result.stdout
+    assert live_processes(tag) == []
+
+
 def test_every_family_has_a_demo():
     from sglang_train_parity.families import FAMILIES
     from sglang_train_parity.rollout_demo import FAMILY_DEMOS
@@ -253,7 +278,9 @@ def test_demo_names_the_model_ids_it_runs(capsys):
         parse_args(["--model-id", "Wan2.2-I2V-A14B-Diffusers"])  # image-to-video
     err = capsys.readouterr().err
     assert "invalid choice: 'Wan2.2-I2V-A14B-Diffusers'" in err
-    for model_id in ("Qwen-Image", "Qwen-Image-2.1", "Wan2.1-T2V-1.3B-Diffusers", A14B, TI2V):
+    for model_id in (
+        "Qwen-Image", "Qwen-Image-2.1", "Wan2.1-T2V-1.3B-Diffusers", A14B, TI2V, "LTX-2"
+    ):  # fmt: skip
         assert model_id in err
 
 
