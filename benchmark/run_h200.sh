@@ -2,11 +2,12 @@
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
 #   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
-#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2|all]
+#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|all]
 #
 # wan: wan-parity, then wan-speed (one device call for both). qwen21-unit: the fork's Qwen-Image 2.1
 # unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too. ltx2: the fork's
-# LTX-2 unit tests, benchmark/gpu_parity_ltx2.py, then `speed.py --family ltx-2`.
+# LTX-2 unit tests (ltx2-unit: those alone), benchmark/gpu_parity_ltx2.py, then
+# `speed.py --family ltx-2`.
 #
 # demo: `sglang-train-parity demo --device cuda` (DEMO_MODEL_ID: the tiny model, default Qwen-Image,
 # e.g. Wan2.2-T2V-A14B-Diffusers), the real `sglang serve` on the GPU (train_parity,
@@ -77,9 +78,9 @@ if [ "$what" = qwen21-speed ]; then
     echo "speed (qwen-image-2.1) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_qwen21.log" | tail -30
 fi
-if [ "$what" = ltx2 ]; then
-    # the fork's LTX-2 unit tests (their whole-forward test needs CUDA), the parity run at real
-    # widths, then the speed at full depth
+if [ "$what" = ltx2 ] || [ "$what" = ltx2-unit ]; then
+    # the fork's LTX-2 unit tests (their whole-forward test needs CUDA); ltx2: then the parity run
+    # at real widths and the speed at full depth
     site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${LTX2_UNIT_TIMEOUT:-120}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
@@ -88,6 +89,8 @@ import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1
     urc=$?
     echo "ltx2 unit tests exit $urc"; rc=$((rc | urc))
     tail -3 "$OUT/ltx2_unit.log"
+fi
+if [ "$what" = ltx2 ]; then
     timeout "${LTX2_PARITY_TIMEOUT:-240}" python3 benchmark/gpu_parity_ltx2.py --out "$OUT/gpu_parity_ltx2.json" \
         --budget-s "${LTX2_PARITY_BUDGET:-170}" >"$OUT/gpu_parity_ltx2.log" 2>&1
     lrc=$?
