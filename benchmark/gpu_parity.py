@@ -28,6 +28,7 @@ default path does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import sys
@@ -180,6 +181,20 @@ class Comparator:
                 "compared": [r["sglang"] for r in rows],
             }
         return result
+
+
+@contextlib.contextmanager
+def other_rms_norm_rule():
+    """A control: the train_parity DiT with the autocast rule for rms_norm of the other torch
+    versions (fp32 from 2.12 on, the input dtype before)."""
+    from sglang.multimodal_gen.runtime.layers import train_parity_ops
+
+    rule = train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32
+    train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = not rule
+    try:
+        yield
+    finally:
+        train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = rule
 
 
 def compare_case(

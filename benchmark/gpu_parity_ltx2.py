@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import compare_case  # noqa: E402
+from benchmark.gpu_parity import compare_case, other_rms_norm_rule  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 LTX2_19B = dict(
@@ -77,18 +77,6 @@ def torch_sdpa_kernel_choice():
         yield
     finally:
         train_parity_ops.math_attention = original
-
-
-@contextlib.contextmanager
-def other_rms_norm_rule():
-    from sglang.multimodal_gen.runtime.layers import train_parity_ops
-
-    rule = train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32
-    train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = not rule
-    try:
-        yield
-    finally:
-        train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = rule
 
 
 def main() -> int:

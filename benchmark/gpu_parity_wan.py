@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import compare_case  # noqa: E402
+from benchmark.gpu_parity import compare_case, other_rms_norm_rule  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 WAN_14B = dict(
@@ -79,24 +79,6 @@ def inputs_for(config, clip, stride, per_token, batch, text_len, timestep, seed,
     )
     inputs.text[:, text_len:] = 0  # T5 embeds, zero-padded to 512 as the pipeline does
     return WanDiTInputs(*(t.to(device) for t in (inputs.latents, inputs.text, inputs.timestep)))
-
-
-def other_rms_norm_rule():
-    """The train_parity DiT with the autocast rule for rms_norm of the other torch versions."""
-    import contextlib
-
-    from sglang.multimodal_gen.runtime.layers import train_parity_ops
-
-    @contextlib.contextmanager
-    def flipped():
-        rule = train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32
-        train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = not rule
-        try:
-            yield
-        finally:
-            train_parity_ops.AUTOCAST_RMS_NORM_IN_FP32 = rule
-
-    return flipped
 
 
 def main() -> int:
@@ -163,7 +145,7 @@ def main() -> int:
                     model,
                     reference,
                     inputs,
-                    {"other rms_norm rule": other_rms_norm_rule()},
+                    {"other rms_norm rule": other_rms_norm_rule},
                     device,
                 )
                 records.append({"case": case, **summary})
