@@ -202,20 +202,23 @@ def require_contract(args: ServerArgs) -> TrainParityContract:
             why,
             f"serve a supported family: {supported_families()}",
         )
-    # None serves the model's registered pipeline
-    pipeline = getattr(args, "pipeline_class_name", None)
-    if (
-        pipeline is not None
-        and contract.pipeline_classes
-        and (pipeline not in contract.pipeline_classes)
-    ):
+    # None: the pipeline the model's model_index.json names (checked when built)
+    check_pipeline(contract, getattr(args, "pipeline_class_name", None))
+    return contract
+
+
+def check_pipeline(contract: TrainParityContract, pipeline: str | None) -> None:
+    """The pipeline serving the model must be one whose stages compute the
+    trainer's step, where the contract names them."""
+    if pipeline is None or not contract.pipeline_classes:
+        return
+    if pipeline not in contract.pipeline_classes:
         raise TrainParityError(
             f"the pipeline {pipeline}",
             f"{contract.family}'s train_parity step is that of "
             f"{', '.join(contract.pipeline_classes)}",
             f"serve {contract.pipeline_classes[0]}",
         )
-    return contract
 
 
 def check_model_supported(args: ServerArgs) -> None:

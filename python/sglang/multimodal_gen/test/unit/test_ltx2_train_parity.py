@@ -80,6 +80,10 @@ def test_ltx2_text_to_video_opts_in_and_its_variants_are_refused():
         train_parity.TrainParityError, match="the pipeline LTX2TwoStagePipeline"
     ):
         train_parity.require_contract(two_stage)
+    # the pipeline model_index.json names, when none is requested
+    train_parity.check_pipeline(contract, "LTX2Pipeline")
+    with pytest.raises(train_parity.TrainParityError, match="LTX2TwoStageHQPipeline"):
+        train_parity.check_pipeline(contract, "LTX2TwoStageHQPipeline")
 
 
 @pytest.mark.parametrize("scale, refused", [(1.0, False), (4.0, True)])
