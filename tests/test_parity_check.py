@@ -133,26 +133,21 @@ def test_qwen21_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_ltx2_with_lora_is_bitwise_and_default_differs(tmp_path, monkeypatch):
+def test_ltx2_with_lora_is_bitwise(tmp_path, monkeypatch):
     """The embedded tiny LTX-2 DiT (--model-id): train_parity with LoRA on miles' targets
-    against ltx-core, both streams, then upstream's numerics, which differ from the first
-    attention's input on (its norm-modulate rounds where CUDA autocast does not; at t=500 the
-    trainer's bf16 sigma is exact, so the time embedding agrees)."""
+    against ltx-core, both streams (the default numerics' difference is checked at the model
+    level, tests/test_train_parity_ltx2.py)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the tiny model goes there
-    common = ["--model-id", "LTX-2", "--image-sizes", "64x96", "--timesteps", "500"]
-    result = parity_check(*common, "--batch-sizes", "1,2", "--out-dir", str(tmp_path / "tp"))
+    result = parity_check(
+        "--model-id", "LTX-2", "--image-sizes", "64x96", "--timesteps", "500",
+        "--batch-sizes", "1,2", "--out-dir", str(tmp_path / "tp"),
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "tp" / "report.json").read_text())
     assert report["equal"] and report["model_id"] == "LTX-2"
     compared = {p["sglang"] for case in report["cases"] for p in case["pairs"]}
     for module in ("", "audio", "transformer_blocks.1.ff.proj_out.base_layer"):
         assert module in compared, module
-    result = parity_check(
-        *common, "--numerics", "default", "--batch-sizes", "1", "--out-dir", str(tmp_path / "d")
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    report = json.loads((tmp_path / "d" / "report.json").read_text())
-    assert report["first_divergence"] == "transformer_blocks.0.attn1.to_v"
 
 
 @pytest.mark.parametrize(
