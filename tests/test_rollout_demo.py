@@ -199,17 +199,9 @@ def test_wan_ti2v_demo_is_exact_with_per_token_timesteps(tmp_path):
     assert live_processes(tag) == []
 
 
-def test_qwen21_demo_is_exact_and_default_is_not(tmp_path):
-    """Qwen-Image 2.1: its own pipeline (Qwen3-VL encoder, RGBA VAE), the whole joint sequence
-    recomputed at every step; three updates, then the default server (its prefix K/V cache,
-    fused kernels and separate prefix GEMMs) differs on every step."""
-    env, tag = tagged_env(tmp_path)
-    result = run_demo(
-        env,
-        *("--model-id", "Qwen-Image-2.1", "--model-dir", str(tmp_path / "tiny-qwen21")),
-        *("--updates", "3"),
-        timeout=400,
-    )
+def assert_three_updates_exact_and_default_differs(result, tag: str) -> None:
+    """A demo of three updates (fp32, bf16, fp32 adapters): train_parity's fingerprints equal
+    on every update, the default server's differ; no server left running."""
     checks = {
         (m, int(u)): (d, fp) for m, u, d, fp, _ in UPDATE_LINE.findall(result.stdout)
     }
@@ -221,6 +213,20 @@ def test_qwen21_demo_is_exact_and_default_is_not(tmp_path):
     assert [checks[("default", u)][1] for u in (1, 2, 3)] == ["differ"] * 3
     assert "train_parity: bitwise equal to the trainer's recompute" in result.stdout
     assert live_processes(tag) == []
+
+
+def test_qwen21_demo_is_exact_and_default_is_not(tmp_path):
+    """Qwen-Image 2.1: its own pipeline (Qwen3-VL encoder, RGBA VAE), the whole joint sequence
+    recomputed at every step; three updates, then the default server (its prefix K/V cache,
+    fused kernels and separate prefix GEMMs) differs on every step."""
+    env, tag = tagged_env(tmp_path)
+    result = run_demo(
+        env,
+        *("--model-id", "Qwen-Image-2.1", "--model-dir", str(tmp_path / "tiny-qwen21")),
+        *("--updates", "3"),
+        timeout=400,
+    )
+    assert_three_updates_exact_and_default_differs(result, tag)
 
 
 def test_ltx2_demo_is_exact_and_default_is_not(tmp_path):
@@ -235,17 +241,7 @@ def test_ltx2_demo_is_exact_and_default_is_not(tmp_path):
         *("--updates", "3", "--steps", "2"),
         timeout=400,
     )
-    checks = {
-        (m, int(u)): (d, fp) for m, u, d, fp, _ in UPDATE_LINE.findall(result.stdout)
-    }
-    assert [checks[("train_parity", u)] for u in (1, 2, 3)] == [
-        ("fp32", "equal"),
-        ("bf16", "equal"),
-        ("fp32", "equal"),
-    ]
-    assert [checks[("default", u)][1] for u in (1, 2, 3)] == ["differ"] * 3
-    assert "train_parity: bitwise equal to the trainer's recompute" in result.stdout
-    assert live_processes(tag) == []
+    assert_three_updates_exact_and_default_differs(result, tag)
 
 
 def test_every_family_has_a_demo():

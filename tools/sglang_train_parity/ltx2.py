@@ -31,7 +31,7 @@ from sglang_train_parity.reference import (
     bf16_trainer_model,
     paired_name,
 )
-from sglang_train_parity.tiny_ltx2 import (
+from sglang_train_parity.tiny_ltx2 import (  # noqa: F401 (MODEL_ID, TINY_DIT_CONFIG: the family's)
     MODEL_ID,
     MODEL_INDEX,
     TINY_DIT_CONFIG,
@@ -45,8 +45,6 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2")
 # The VAE's downscaling (time, height, width) and the video rate the positions assume.
 SCALE_FACTORS = (8, 32, 32)
 FPS = 24.0
-
-__all__ = ["MODEL_ID", "TINY_DIT_CONFIG"]
 
 
 def ltx_core_model(config: dict) -> nn.Module:
