@@ -324,6 +324,18 @@ def condense(
     return out
 
 
+def fused_kernels_ran(result: dict, device: str) -> bool:
+    """Records the fused kernels' gates; on CUDA with the kernels on (the default) every one must
+    have matched its eager chain and none may have fallen back, or the run did not test them."""
+    from sglang.multimodal_gen.runtime.layers import train_parity_kernels
+
+    gates = train_parity_kernels.gate_states()
+    result["fused_kernels"] = {"on": train_parity_kernels.FUSED_KERNELS, "gates": gates}
+    return device != "cuda" or not train_parity_kernels.FUSED_KERNELS or all(
+        g["verified_signatures"] > 0 and not g["disabled"] for g in gates.values()
+    )
+
+
 def strip_compared(records: list[dict]) -> None:
     for r in records:
         for s in r.get("comparisons", {}).values():
@@ -445,6 +457,7 @@ def main() -> int:
             summary = condense(records, equal, differ)
             strip_compared(records)
             ok &= all(s["as_expected"] for s in summary.values())
+            ok &= fused_kernels_ran(result, args.device)
             result["sections"]["train_parity"] = {
                 "what": "numerics=train_parity, LoRA r64 alpha 128 unmerged on all targets; both RoPE table constructions",
                 "summary": summary,
@@ -579,6 +592,7 @@ def main() -> int:
         )
     print("default attention probe:", default.get("attention_default_probe"))
     print("stand-in calls:", result.get("standin_calls"))
+    print("fused kernels:", result.get("fused_kernels"))
     for name, err in result["errors"].items():
         print(f"ERROR in {name}:\n{err}")
     print("passed" if result["passed"] else "FAILED")

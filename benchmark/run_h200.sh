@@ -2,7 +2,11 @@
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
 #   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
-#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|all]
+#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|kernels|all]
+#
+# kernels: the fork's train_parity fused-kernel unit tests on CUDA (each kernel bitwise against
+# its eager chain, with controls), then benchmark/gpu_kernels.py (each kernel timed at
+# Qwen-Image's per-block shapes). speed: SPEED_ARGS go to speed.py (e.g. --image 512 --batch 2).
 #
 # wan: wan-parity, then wan-speed (one device call for both). qwen21-unit: the fork's Qwen-Image 2.1
 # unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too. ltx2: the fork's
@@ -78,6 +82,21 @@ if [ "$what" = qwen21-speed ]; then
     echo "speed (qwen-image-2.1) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_qwen21.log" | tail -30
 fi
+if [ "$what" = kernels ]; then
+    site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${KERNELS_UNIT_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
+from benchmark import gpu_standins; gpu_standins.install()
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
+        "$site/multimodal_gen/test/unit/test_train_parity_kernels.py" >"$OUT/kernels_unit.log" 2>&1
+    krc=$?
+    echo "kernel unit tests exit $krc"; rc=$((rc | krc))
+    tail -3 "$OUT/kernels_unit.log"
+    timeout "${KERNELS_TIMEOUT:-180}" python3 benchmark/gpu_kernels.py --out "$OUT/kernels_h200.json" \
+        >"$OUT/gpu_kernels.log" 2>&1
+    grc=$?
+    echo "gpu_kernels exit $grc"; rc=$((rc | grc))
+    grep -E "^b[12] |^gates|^passed|^FAILED|Error" "$OUT/gpu_kernels.log" | tail -30
+fi
 if [ "$what" = ltx2 ] || [ "$what" = ltx2-unit ]; then
     # the fork's LTX-2 unit tests (their whole-forward test needs CUDA); ltx2: then the parity run
     # at real widths and the speed at full depth
@@ -112,11 +131,11 @@ if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_wan.log" | tail -30
 fi
 if [ "$what" = speed ] || [ "$what" = all ]; then
-    timeout "${SPEED_TIMEOUT:-320}" python3 benchmark/speed.py --out "$OUT/speed.json" \
-        --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" >"$OUT/speed.log" 2>&1
+    timeout "${SPEED_TIMEOUT:-320}" python3 benchmark/speed.py --out "$OUT/${SPEED_NAME:-speed}.json" \
+        --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" ${SPEED_ARGS:-} >"$OUT/${SPEED_NAME:-speed}.log" 2>&1
     src=$?
     echo "speed exit $src"; rc=$((rc | src))
-    grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|^ERROR|Error" "$OUT/speed.log" | tail -30
+    grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/${SPEED_NAME:-speed}.log" | tail -30
 fi
 if [ "$what" = fingerprints ] || { [ "$what" = demo ] && [ -z "${DEMO_MODEL_ID:-}" ]; }; then
     # what rollout fingerprints cost per step at real Qwen-Image sizes (60 blocks' LoRA r64 adapters)

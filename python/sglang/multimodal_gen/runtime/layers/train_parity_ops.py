@@ -204,14 +204,20 @@ def math_attention(
         return attention(query, key, value, attn_mask)
 
 
-def lora_delta(
-    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float
+def lora_update(
+    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
 ) -> torch.Tensor:
-    """PEFT ``lora.Linear``'s unmerged update ``lora_B(lora_A(x)) * scaling``,
-    with the input cast to the adapter's dtype; the caller adds it to the base
-    layer's output (bias included) in the activation dtype."""
-    x = x.to(lora_A.dtype)
-    return F.linear(F.linear(x, lora_A), lora_B) * scaling
+    """PEFT ``lora.Linear``'s unmerged update ``lora_B(lora_A(x))``, with the
+    input cast to the adapter's dtype."""
+    return F.linear(F.linear(x.to(lora_A.dtype), lora_A), lora_B)
+
+
+def add_scaled_update(
+    out: torch.Tensor, update: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """PEFT's ``result + update * scaling`` on the base layer's output (bias
+    included): the product rounded to the update's dtype, then the sum."""
+    return out + update * scaling
 
 
 def cfg_norm_rescale(combined: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:

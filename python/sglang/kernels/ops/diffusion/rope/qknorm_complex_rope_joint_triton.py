@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Q/K RMSNorm + complex RoPE written into a joint-sequence buffer.
+
+Numerics contract: bit-exact vs the eager chain of diffusers' ``RMSNorm``
+with a BF16 weight followed by complex64 RoPE on CUDA::
+
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    y = (x * torch.rsqrt(variance + eps)).to(bf16) * weight
+    out = view_as_real(view_as_complex(y.float()) * freqs).to(bf16)
+
+- ``pow(2)`` is one rounding per element; the mean is aten's reduction of
+  a contiguous 128-wide fp32 row on CUDA (torch >= 2.10): lane ``l`` sums
+  its float4 ``s[4l..4l+3]`` left to right, the 32 lane partials fold with
+  ``shfl_down`` offsets 16, 8, 4, 2, 1, and the sum is multiplied by 1/128.
+  The fold is an explicit tree, so it does not depend on Triton's layout.
+- ``rsqrt.approx.f32`` without flush-to-zero, as ``rsqrtf``.
+- The normalized value rounds to BF16 before the weight multiply.
+- The complex multiply contracts one product into an FMA on each part, as
+  PyTorch's CUDA build does; which imaginary product is contracted differs
+  between builds and is probed at runtime (``_fuse_real_sin``).
+
+Bit-exactness depends on the installed torch's reduction and complex
+multiply, so callers verify the kernel against the live eager chain on
+first use and fall back on a mismatch.
+
+Q and K share one launch. Rows are read from contiguous ``[B, S, H, 128]``
+tensors and written at ``[:, offset:offset + S]`` of ``[B, S_joint, H,
+128]`` buffers, so a joint text + image sequence needs no ``torch.cat``.
+Shapes are runtime arguments: a new prompt length does not recompile.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.kernels.kda_kernels.layernorm_modulate_triton import _split_halves
+from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
+
+_HEAD_DIM = 128
+_ROWS = 16
+
+
+@triton.jit
+def _half_fold(p, ROWS: tl.constexpr, HALF: tl.constexpr):
+    # one shfl_down step with offset HALF: lane k adds lane k + HALF
+    lower, upper = _split_halves(p, ROWS, HALF)
+    return lower + upper
+
+
+@triton.jit
+def _qknorm_complex_rope_rows(
+    x_ptr,
+    weight_ptr,
+    rope_ptr,
+    out_ptr,
+    row,
+    n_rows,
+    seq_len,
+    heads,
+    out_batch_stride,
+    out_offset,
+    eps,
+    ROWS: tl.constexpr,
+    FUSE_REAL_SIN: tl.constexpr,
+):
+    column = tl.arange(0, 128)
+    mask = (row < n_rows)[:, None]
+    value = tl.load(x_ptr + row[:, None] * 128 + column[None, :], mask, 0.0).to(
+        tl.float32
+    )
+    # lane l owns s[4l..4l+3]: split (l, i, j) -> s[4l + 2i + j]
+    even, odd = tl.split(tl.reshape(value * value, (ROWS, 32, 2, 2)))
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    partial = ((s0 + s1) + s2) + s3
+    partial = _half_fold(partial, ROWS, 16)
+    partial = _half_fold(partial, ROWS, 8)
+    partial = _half_fold(partial, ROWS, 4)
+    partial = _half_fold(partial, ROWS, 2)
+    partial = _half_fold(partial, ROWS, 1)
+    variance = tl.reshape(partial, (ROWS,)) * 0.0078125
+    inv = tl.rsqrt(variance + eps)
+    weight = tl.load(weight_ptr + column).to(tl.float32)
+    value = (value * inv[:, None]).to(tl.bfloat16).to(tl.float32)
+    value = (value * weight[None, :]).to(tl.bfloat16).to(tl.float32)
+    real, imag = tl.split(tl.reshape(value, (ROWS, 64, 2)))
+    token = row // heads % seq_len
+    rotation = tl.load(rope_ptr + token[:, None] * 128 + column[None, :], mask, 0.0)
+    cos, sin = tl.split(tl.reshape(rotation, (ROWS, 64, 2)))
+    out_real = tl.fma(real, cos, -(imag * sin))
+    if FUSE_REAL_SIN:
+        out_imag = tl.fma(real, sin, imag * cos)
+    else:
+        out_imag = tl.fma(imag, cos, real * sin)
+    out = tl.reshape(tl.join(out_real, out_imag), (ROWS, 128))
+    batch_rows = seq_len * heads
+    target = (row // batch_rows) * out_batch_stride + out_offset
+    target += (row % batch_rows) * 128
+    tl.store(
+        out_ptr + target[:, None] + column[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask,
+    )
+
+
+@triton.jit(
+    do_not_specialize=["n_rows", "seq_len", "heads", "out_batch_stride", "out_offset"]
+)
+def _qknorm_complex_rope_joint_kernel(
+    q_ptr,
+    k_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    rope_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    n_rows,
+    seq_len,
+    heads,
+    out_batch_stride,
+    out_offset,
+    eps,
+    ROWS: tl.constexpr,
+    FUSE_REAL_SIN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    if tl.program_id(1) == 0:
+        _qknorm_complex_rope_rows(
+            q_ptr,
+            q_weight_ptr,
+            rope_ptr,
+            q_out_ptr,
+            row,
+            n_rows,
+            seq_len,
+            heads,
+            out_batch_stride,
+            out_offset,
+            eps,
+            ROWS,
+            FUSE_REAL_SIN,
+        )
+    else:
+        _qknorm_complex_rope_rows(
+            k_ptr,
+            k_weight_ptr,
+            rope_ptr,
+            k_out_ptr,
+            row,
+            n_rows,
+            seq_len,
+            heads,
+            out_batch_stride,
+            out_offset,
+            eps,
+            ROWS,
+            FUSE_REAL_SIN,
+        )
+
+
+def _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset):
+    batch, seq_len, heads, head_dim = q.shape
+    if not (
+        q.is_cuda
+        and torch.version.hip is None
+        and q.dtype == torch.bfloat16
+        and head_dim == _HEAD_DIM
+        and q.numel() > 0
+        and q.is_contiguous()
+        and k.shape == q.shape
+        and k.dtype == q.dtype
+        and k.device == q.device
+        and k.is_contiguous()
+        and all(
+            w.shape == (head_dim,)
+            and w.dtype == q.dtype
+            and w.device == q.device
+            and w.is_contiguous()
+            for w in (q_weight, k_weight)
+        )
+        and rope.dtype == torch.complex64
+        and rope.device == q.device
+        and rope.shape == (seq_len, head_dim // 2)
+        and rope.is_contiguous()
+        and all(
+            out.dtype == q.dtype
+            and out.device == q.device
+            and out.is_contiguous()
+            and out.shape[0] == batch
+            and out.shape[2:] == q.shape[2:]
+            for out in (q_out, k_out)
+        )
+        and q_out.shape == k_out.shape
+        and 0 <= offset <= q_out.shape[1] - seq_len
+    ):
+        raise RuntimeError(
+            "qknorm_complex_rope_joint expects contiguous BF16 CUDA q/k "
+            "[B, S, H, 128], BF16 [128] weights, complex64 [S, 64] rope and "
+            "contiguous [B, S_joint, H, 128] outputs holding rows offset:offset+S"
+        )
+
+
+def qknorm_complex_rope_joint_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    rope: torch.Tensor,
+    eps: float,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    offset: int,
+) -> None:
+    """Write the RMSNorm + complex RoPE of ``q`` and ``k`` ([B, S, H, 128])
+    into ``q_out[:, offset:offset + S]`` and ``k_out[:, offset:offset + S]``
+    ([B, S_joint, H, 128])."""
+    _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset)
+    batch, seq_len, heads, head_dim = q.shape
+    n_rows = batch * seq_len * heads
+    with torch.cuda.device(q.device):
+        _qknorm_complex_rope_joint_kernel[(triton.cdiv(n_rows, _ROWS), 2)](
+            q,
+            k,
+            q_weight,
+            k_weight,
+            torch.view_as_real(rope),
+            q_out,
+            k_out,
+            n_rows,
+            seq_len,
+            heads,
+            q_out.stride(0),
+            offset * heads * head_dim,
+            eps,
+            ROWS=_ROWS,
+            FUSE_REAL_SIN=_fuse_real_sin(q.device),
+            num_warps=4,
+            enable_fp_fusion=False,
+            enable_reflect_ftz=False,
+        )

@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fused CUDA kernels for the train_parity DiT forward.
+
+Each function here returns what its ``train_parity_ops`` namesake returns,
+bit for bit. On CUDA BF16 inputs of a layout the kernel takes it launches one
+kernel in place of that eager op chain; anywhere else (CPU tensors, other
+dtypes or layouts) it runs the eager chain.
+
+Every kernel reproduces the eager chain's roundings by construction, and is
+still compared with it on first use per input signature (shapes, strides,
+dtypes), with a bitwise comparison (``BitExactFusionGate``): the reductions
+and FMA contractions it reproduces belong to the installed torch build. A
+mismatch or a failed launch logs one line naming the kernel and turns that
+kernel off for the process; the eager chain runs from then on. No check runs
+inside CUDA-graph capture or compile tracing: there, a signature not yet
+verified runs the eager chain.
+
+``SGLANG_TRAIN_PARITY_FUSED_KERNELS=0`` runs the eager chains everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from sglang.kernels.ops import diffusion as kernels
+from sglang.kernels.ops.diffusion import BitExactFusionGate
+from sglang.multimodal_gen import envs
+from sglang.multimodal_gen.runtime.layers import train_parity_ops
+from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+# Read once: the process serves one numerics configuration.
+FUSED_KERNELS = envs.SGLANG_TRAIN_PARITY_FUSED_KERNELS
+
+_QK_NORM_ROPE = BitExactFusionGate(
+    "train_parity Q/K RMSNorm + complex RoPE into the joint Q/K", per_signature=True
+)
+_LAYER_NORM_MODULATION = BitExactFusionGate(
+    "train_parity LayerNorm + scale/shift modulation", per_signature=True
+)
+_GATED_RESIDUAL = BitExactFusionGate(
+    "train_parity gated residual", per_signature=True
+)
+_SCALED_UPDATE = BitExactFusionGate(
+    "train_parity LoRA scale-and-add", per_signature=True
+)
+GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _SCALED_UPDATE)
+
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    """Equal bits, for a tensor or a sequence of tensors. Stricter than
+    ``torch.equal``: -0.0 differs from +0.0."""
+    if not isinstance(a, torch.Tensor):
+        return all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = _SAME_WIDTH_INT.get(a.dtype)
+    if as_int is None:
+        return torch.equal(a, b)
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+def _signature(*tensors: torch.Tensor) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _verified(
+    gate: BitExactFusionGate,
+    fused: Callable[[], Any],
+    reference: Callable[[], Any],
+    *operands: torch.Tensor,
+) -> Any:
+    return gate.run(
+        fused,
+        reference,
+        sig=_signature(*operands),
+        equal=bitwise_equal,
+        logger=logger,
+    )
+
+
+def _takes(x: torch.Tensor) -> bool:
+    return FUSED_KERNELS and x.is_cuda and not torch.is_grad_enabled()
+
+
+def _is_bf16_dense(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    return all(
+        t.dtype == torch.bfloat16
+        and t.device == first.device
+        and t.is_contiguous()
+        and t.numel() > 0
+        for t in tensors
+    )
+
+
+def _modulation_rows(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A [B, D] or [B, 1, D] modulation of ``x`` [B, S, D] (B may be 1, broadcast)
+    as [B, D] rows with a packed last dim; None for any other shape."""
+    if t is None or t.dim() not in (2, 3) or (t.dim() == 3 and t.shape[1] != 1):
+        return None
+    rows = t[:, 0] if t.dim() == 3 else t
+    if rows.shape[0] == 1:
+        rows = rows.expand(x.shape[0], -1)
+    if rows.shape != (x.shape[0], x.shape[2]) or rows.stride(1) != 1:
+        return None
+    return rows
+
+
+def layer_norm_scale_shift(
+    x: torch.Tensor,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``train_parity_ops.layer_norm_scale_shift``; one kernel for a norm
+    without affine parameters and BF16 [B, D] modulation rows."""
+    reference = partial(
+        train_parity_ops.layer_norm_scale_shift, x, shift, scale, eps, weight, bias
+    )
+    if not (_takes(x) and weight is None and bias is None and x.dim() == 3):
+        return reference()
+    scale_rows = _modulation_rows(scale, x)
+    shift_rows = _modulation_rows(shift, x)
+    if (
+        scale_rows is None
+        or (shift is not None and shift_rows is None)
+        or x.shape[-1] % 4
+        or x.shape[-1] > 8192
+        or not _is_bf16_dense(x)
+        or scale_rows.dtype != torch.bfloat16
+        or scale_rows.device != x.device
+        or (
+            shift_rows is not None
+            and (
+                shift_rows.dtype != torch.bfloat16
+                or shift_rows.device != x.device
+                or (x.shape[0] > 1 and shift_rows.stride() != scale_rows.stride())
+            )
+        )
+    ):
+        return reference()
+    fused = partial(
+        kernels.fused_layernorm_autocast_modulate, x, scale_rows, shift_rows, eps
+    )
+    modulation = (scale_rows,) if shift_rows is None else (scale_rows, shift_rows)
+    return _verified(_LAYER_NORM_MODULATION, fused, reference, x, *modulation)
+
+
+def gated_residual(
+    residual: torch.Tensor, gate: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """``train_parity_ops.gated_residual``; one kernel for BF16 ``residual``
+    and ``x`` [B, S, D] and a BF16 or FP32 [B, D] gate."""
+    reference = partial(train_parity_ops.gated_residual, residual, gate, x)
+    if not (_takes(residual) and residual.dim() == 3):
+        return reference()
+    gate_rows = _modulation_rows(gate, residual)
+    if (
+        gate_rows is None
+        or gate_rows.dtype not in (torch.bfloat16, torch.float32)
+        or gate_rows.device != residual.device
+        or x.shape != residual.shape
+        or not _is_bf16_dense(residual, x)
+    ):
+        return reference()
+    fused = partial(kernels.residual_gate_add_bf16, residual, x, gate_rows)
+    return _verified(_GATED_RESIDUAL, fused, reference, residual, gate_rows, x)
+
+
+def add_scaled_update(
+    out: torch.Tensor, update: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``train_parity_ops.add_scaled_update``; one kernel for BF16 tensors of
+    one shape."""
+    reference = partial(train_parity_ops.add_scaled_update, out, update, scaling)
+    if not (_takes(out) and update.shape == out.shape and _is_bf16_dense(out, update)):
+        return reference()
+    fused = partial(kernels.scale_add_bf16, out, update, scaling)
+    return _verified(_SCALED_UPDATE, fused, reference, out, update)
+
+
+def joint_qk_norm_rope(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, Any, Any, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each part's query and key ([B, S_i, H, D]) through its own per-head
+    ``RMSNorm`` and ``train_parity_ops.rotary_emb`` with its table
+    [S_i, D / 2], joined along the sequence in order. Parts: ``(query, key,
+    query_norm, key_norm, freqs)``. The kernel writes each part straight into
+    the joint buffers."""
+    first = parts[0][0]
+    if not (
+        _takes(first)
+        and all(
+            query.dim() == 4
+            and query.shape[0] == first.shape[0]
+            and query.shape[2:] == first.shape[2:]
+            and key.shape == query.shape
+            and _is_bf16_dense(first, query, key, query_norm.weight, key_norm.weight)
+            and query_norm.variance_epsilon == key_norm.variance_epsilon
+            and query_norm.variance_size_override is None
+            and key_norm.variance_size_override is None
+            for query, key, query_norm, key_norm, _ in parts
+        )
+    ):
+        queries, keys = zip(*(_qk_norm_rope(*part) for part in parts))
+        return torch.cat(queries, dim=1), torch.cat(keys, dim=1)
+
+    batch, _, heads, head_dim = first.shape
+    joint_len = sum(part[0].shape[1] for part in parts)
+    joint_query = first.new_empty(batch, joint_len, heads, head_dim)
+    joint_key = torch.empty_like(joint_query)
+    offset = 0
+    for part in parts:
+        _write_qk_norm_rope(part, joint_query, joint_key, offset)
+        offset += part[0].shape[1]
+    return joint_query, joint_key
+
+
+def _qk_norm_rope(query, key, query_norm, key_norm, freqs):
+    return (
+        train_parity_ops.rotary_emb(query_norm(query), freqs),
+        train_parity_ops.rotary_emb(key_norm(key), freqs),
+    )
+
+
+def _write_qk_norm_rope(part, joint_query, joint_key, offset):
+    query, key, query_norm, key_norm, freqs = part
+    rows = slice(offset, offset + query.shape[1])
+    written = (joint_query[:, rows], joint_key[:, rows])
+
+    def fused():
+        kernels.qknorm_complex_rope_joint_(
+            query,
+            key,
+            query_norm.weight,
+            key_norm.weight,
+            freqs,
+            query_norm.variance_epsilon,
+            joint_query,
+            joint_key,
+            offset,
+        )
+        return written
+
+    out = _verified(
+        _QK_NORM_ROPE,
+        fused,
+        partial(_qk_norm_rope, *part),
+        query,
+        key,
+        freqs,
+        joint_query,
+    )
+    if out is not written:
+        written[0].copy_(out[0])
+        written[1].copy_(out[1])
+
+
+def log_selection() -> None:
+    """One line at DiT load: which fused kernels the train_parity forward runs."""
+    if not FUSED_KERNELS:
+        logger.info(
+            "train_parity fused kernels: off (SGLANG_TRAIN_PARITY_FUSED_KERNELS=0); "
+            "the DiT runs the eager op chains"
+        )
+        return
+    logger.info(
+        "train_parity fused kernels on CUDA BF16 inputs: %s; each is compared "
+        "bitwise with its eager chain on first use per input signature and "
+        "replaced by it for good on a mismatch (SGLANG_TRAIN_PARITY_FUSED_KERNELS=0 "
+        "turns them off)",
+        ", ".join(gate.name.removeprefix("train_parity ") for gate in GATES),
+    )
+
+
+def gate_states() -> dict[str, dict[str, Any]]:
+    """Per kernel: whether it is off for good, and how many signatures it has
+    matched its eager chain on."""
+    return {
+        gate.name: {
+            "disabled": gate.disabled,
+            "verified_signatures": len(gate.verified_sigs),
+        }
+        for gate in GATES
+    }

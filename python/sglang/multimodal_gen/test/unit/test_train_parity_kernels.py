@@ -1,0 +1,361 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The train_parity fused kernels: when they run, how a kernel is checked against its
+eager chain and turned off, their index math (Triton's interpreter, on the CPU), and on
+CUDA each kernel bitwise against its eager chain, with controls that round elsewhere."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+
+from sglang.kernels.ops import diffusion as kernels
+from sglang.multimodal_gen.runtime.layers import train_parity_kernels, train_parity_ops
+
+BF16 = torch.bfloat16
+CUDA = torch.cuda.is_available()
+EAGER_GATED_RESIDUAL = train_parity_ops.gated_residual
+GATED_RESIDUAL = "train_parity gated residual"
+
+
+@pytest.fixture(autouse=True)
+def fresh_gates(monkeypatch):
+    for gate in train_parity_kernels.GATES:
+        monkeypatch.setattr(gate, "disabled", False)
+        monkeypatch.setattr(gate, "verified", False)
+        monkeypatch.setattr(gate, "verified_sigs", set())
+    monkeypatch.setattr(train_parity_kernels, "FUSED_KERNELS", True)
+    monkeypatch.setattr(train_parity_kernels, "logger", MagicMock())
+
+
+def _residual_inputs(device="cpu", batch=2, seq=5, dim=64, gate_dtype=BF16):
+    residual = torch.randn(batch, seq, dim, device=device).to(BF16)
+    update = torch.randn(batch, seq, dim, device=device).to(BF16)
+    # a chunk of a [B, 3 * D] modulation projection: strided rows
+    gate = torch.randn(batch, 3 * dim, device=device).to(gate_dtype)[:, dim : 2 * dim]
+    return residual, gate.unsqueeze(1), update
+
+
+def test_bitwise_equal_tells_signed_zeros_apart():
+    zero = torch.zeros(3, dtype=BF16)
+    assert torch.equal(zero, -zero)
+    assert not train_parity_kernels.bitwise_equal(zero, -zero)
+    assert train_parity_kernels.bitwise_equal((zero, -zero), (zero.clone(), -zero))
+
+
+def test_cpu_tensors_run_the_eager_chain(monkeypatch):
+    monkeypatch.setattr(kernels, "residual_gate_add_bf16", _never_called)
+    residual, gate, update = _residual_inputs()
+    out = train_parity_kernels.gated_residual(residual, gate, update)
+    assert torch.equal(out, train_parity_ops.gated_residual(residual, gate, update))
+
+
+def _never_called(*args, **kwargs):
+    raise AssertionError("a fused kernel ran")
+
+
+class _StandIn:
+    """A CPU stand-in for a fused kernel: the eager result, nudged by ``ulps`` in its
+    first element, or an exception."""
+
+    def __init__(self, ulps=0, error=None):
+        self.ulps, self.error, self.calls = ulps, error, 0
+
+    def __call__(self, residual, update, gate):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        out = EAGER_GATED_RESIDUAL(residual, gate, update)
+        out.view(torch.int16).view(-1)[0] += self.ulps
+        return out
+
+
+@pytest.fixture
+def on_the_kernel_path(monkeypatch):
+    """CPU tensors take the fused path (unless it is switched off), with a stand-in
+    kernel."""
+    monkeypatch.setattr(
+        train_parity_kernels, "_takes", lambda x: train_parity_kernels.FUSED_KERNELS
+    )
+
+    def install(stand_in):
+        monkeypatch.setattr(kernels, "residual_gate_add_bf16", stand_in)
+        return stand_in
+
+    return install
+
+
+def test_a_kernel_is_checked_once_per_signature(on_the_kernel_path, monkeypatch):
+    kernel = on_the_kernel_path(_StandIn())
+    reference = MagicMock(side_effect=train_parity_ops.gated_residual)
+    monkeypatch.setattr(train_parity_ops, "gated_residual", reference)
+    inputs = _residual_inputs()
+    for _ in range(3):
+        train_parity_kernels.gated_residual(*inputs)
+    assert (kernel.calls, reference.call_count) == (3, 1)
+    train_parity_kernels.gated_residual(*_residual_inputs(seq=7))
+    assert (kernel.calls, reference.call_count) == (4, 2)
+    states = train_parity_kernels.gate_states()[GATED_RESIDUAL]
+    assert states == {"disabled": False, "verified_signatures": 2}
+
+
+@pytest.mark.parametrize(
+    "stand_in", [_StandIn(ulps=1), _StandIn(error=RuntimeError("no launch"))]
+)
+def test_a_kernel_that_differs_is_replaced_for_good(on_the_kernel_path, stand_in):
+    kernel = on_the_kernel_path(stand_in)
+    inputs = _residual_inputs()
+    for _ in range(2):
+        out = train_parity_kernels.gated_residual(*inputs)
+        assert torch.equal(out, train_parity_ops.gated_residual(*inputs))
+    assert kernel.calls == 1
+    assert train_parity_kernels.gate_states()[GATED_RESIDUAL]["disabled"]
+    (message,), _ = train_parity_kernels.logger.warning_once.call_args
+    assert GATED_RESIDUAL in message
+
+
+def test_a_kernel_writing_negative_zero_is_caught(on_the_kernel_path):
+    # -0.0 + 0.0 in the reference is +0.0; a kernel writing -0.0 must not pass
+    residual = torch.zeros(1, 1, 4, dtype=BF16)
+    gate = torch.zeros(1, 4, dtype=BF16)
+    update = torch.zeros(1, 1, 4, dtype=BF16)
+
+    def negative_zero(residual, update, gate):
+        return -EAGER_GATED_RESIDUAL(residual, gate, update)
+
+    on_the_kernel_path(negative_zero)
+    out = train_parity_kernels.gated_residual(residual, gate, update)
+    assert not out.signbit().any()
+    assert train_parity_kernels.gate_states()[GATED_RESIDUAL]["disabled"]
+
+
+def test_capture_runs_the_eager_chain_until_verified(on_the_kernel_path, monkeypatch):
+    kernel = on_the_kernel_path(_StandIn())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    train_parity_kernels.gated_residual(*_residual_inputs())
+    assert kernel.calls == 0
+
+
+def test_the_switch_runs_the_eager_chains(on_the_kernel_path, monkeypatch):
+    kernel = on_the_kernel_path(_StandIn(ulps=1))
+    monkeypatch.setattr(train_parity_kernels, "FUSED_KERNELS", False)
+    inputs = _residual_inputs()
+    out = train_parity_kernels.gated_residual(*inputs)
+    assert kernel.calls == 0
+    assert torch.equal(out, EAGER_GATED_RESIDUAL(*inputs))
+
+
+def test_eager_joint_qk_norm_rope_is_the_attention_chain():
+    from sglang.multimodal_gen.runtime.layers.layernorm import RMSNorm
+    from sglang.multimodal_gen.runtime.utils import train_parity
+
+    with train_parity.numerics_mode_context("train_parity"):
+        norms = [RMSNorm(128, eps=1e-6).to(BF16) for _ in range(4)]
+    for norm in norms:
+        norm.weight.data.uniform_(0.8, 1.2)
+    parts = []
+    for length, (q_norm, k_norm) in ((3, norms[:2]), (5, norms[2:])):
+        angles = torch.randn(length, 64)
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        q, k = (torch.randn(2, length, 2, 128).to(BF16) for _ in range(2))
+        parts.append((q, k, q_norm, k_norm, freqs))
+    query, key = train_parity_kernels.joint_qk_norm_rope(parts)
+    for joint, index, norm_index in ((query, 0, 2), (key, 1, 3)):
+        expected = torch.cat(
+            [
+                train_parity_ops.rotary_emb(part[norm_index](part[index]), part[4])
+                for part in parts
+            ],
+            dim=1,
+        )
+        assert torch.equal(joint, expected)
+
+
+# Index math under Triton's interpreter. The interpreter computes an FMA in two roundings
+# and truncates fp32 -> bf16, so values are checked to a few bf16 ULPs of the operands
+# here; the bits are checked on CUDA below. Each run also checks a control: the same
+# comparison against an off-by-one token or batch mapping fails.
+_INTERPRETED = textwrap.dedent(
+    """
+    import torch, triton
+    from sglang.kernels.ops.diffusion.modulate import add_product_triton as ap
+    from sglang.kernels.ops.diffusion.rope import qknorm_complex_rope_joint_triton as qk
+
+    def close(a, b):
+        return bool(((a.float() - b.float()).abs() <= (b.float().abs() + 1) * 2**-5).all())
+
+    torch.manual_seed(0)
+    B, S, H, D, joint, offset = 2, 5, 3, 128, 11, 4
+    q, k = (torch.randn(B, S, H, D).bfloat16() for _ in range(2))
+    weights = [(torch.rand(D) * 0.4 + 0.8).bfloat16() for _ in range(2)]
+    angles = torch.randn(S, D // 2)
+    rope = torch.polar(torch.ones_like(angles), angles)
+    outs = [torch.full((B, joint, H, D), float("nan")).bfloat16() for _ in range(2)]
+    rows = B * S * H
+    qk._qknorm_complex_rope_joint_kernel[(triton.cdiv(rows, qk._ROWS), 2)](
+        q, k, *weights, torch.view_as_real(rope), *outs, rows, S, H,
+        outs[0].stride(0), offset * H * D, 1e-6, ROWS=qk._ROWS, FUSE_REAL_SIN=True)
+
+    def expected(x, w, table):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        y = (x * torch.rsqrt(var + 1e-6)).bfloat16() * w
+        z = torch.view_as_complex(y.float().reshape(B, S, H, D // 2, 2)) * table[:, None]
+        return torch.view_as_real(z).reshape(B, S, H, D).bfloat16()
+
+    for out, x, w in zip(outs, (q, k), weights):
+        assert out[:, :offset].isnan().all() and out[:, offset + S:].isnan().all()
+        assert close(out[:, offset:offset + S], expected(x, w, rope))
+        assert not close(out[:, offset:offset + S], expected(x, w, rope.roll(1, 0)))
+
+    for gate_dtype in (torch.bfloat16, torch.float32):
+        a, b = (torch.randn(B, S, 70).bfloat16() for _ in range(2))
+        gate = torch.randn(B, 3 * 70).to(gate_dtype)[:, 70:140]
+        out = torch.empty_like(a)
+        ap._add_product_kernel[(B * S, 1)](
+            out, a, b, gate, 0.0, 70, S, gate.stride(0), BLOCK=128, C_ROWS=True,
+            ROUND_PRODUCT=gate_dtype == torch.bfloat16)
+        assert close(out, (a + gate[:, None] * b).bfloat16())
+        assert not close(out, (a + gate.flip(0)[:, None] * b).bfloat16())
+    ap._add_product_kernel[(B * S, 1)](
+        out, a, b, None, 1.5, 70, 1, 0, BLOCK=128, C_ROWS=False, ROUND_PRODUCT=True)
+    assert close(out, a + b * 1.5)
+    print("ok")
+    """
+)
+
+
+def test_kernel_index_math_under_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# CUDA: each kernel against its eager chain, bitwise, on the widths of Qwen-Image and on
+# odd shapes, with a control computed with another rounding.
+needs_cuda = pytest.mark.skipif(not CUDA, reason="the fused kernels run on CUDA")
+
+
+def _adversarial_(x: torch.Tensor) -> torch.Tensor:
+    """Rows of zeros, signed zeros, large and tiny magnitudes, and bf16 rounding ties."""
+    flat = x.view(-1, x.shape[-1])
+    flat[0] = 0
+    if flat.shape[0] > 1:
+        flat[1] = -0.0
+    if flat.shape[0] > 2:
+        flat[2] *= 2.0**60
+    if flat.shape[0] > 3:
+        flat[3] *= 2.0**-60
+    if flat.shape[0] > 4:
+        flat[4] = 1 + 2.0**-8  # exactly between two bf16 values once rounded
+    return x
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("seq", [1, 77, 211, 1023])
+@pytest.mark.parametrize("dim", [3072, 1000])
+def test_layer_norm_modulation_kernel(batch, seq, dim):
+    x = _adversarial_(torch.randn(batch, seq, dim, device="cuda")).to(BF16)
+    mod = torch.randn(batch, 6 * dim, device="cuda").to(BF16)
+    shift, scale = mod[:, :dim], mod[:, dim : 2 * dim]
+    for shift_ in (shift, None):
+        eager = train_parity_ops.layer_norm_scale_shift(x, shift_, scale, 1e-6)
+        fused = kernels.fused_layernorm_autocast_modulate(x, scale, shift_, 1e-6)
+        assert train_parity_kernels.bitwise_equal(fused, eager)
+    control = kernels.fused_layernorm_modulate_raw(x, scale, shift, 1e-6)
+    assert not torch.equal(control, eager)  # bf16 after every op
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("seq", [1, 77, 4096])
+@pytest.mark.parametrize("gate_dtype", [BF16, torch.float32])
+def test_gated_residual_kernel(batch, seq, gate_dtype):
+    residual, gate, update = _residual_inputs("cuda", batch, seq, 3072, gate_dtype)
+    _adversarial_(update)
+    eager = train_parity_ops.gated_residual(residual, gate, update)
+    fused = kernels.residual_gate_add_bf16(residual, update, gate[:, 0])
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    # control: the other variant's rounding of the same values
+    if gate_dtype == BF16:
+        control = (residual.float() + gate.float() * update.float()).to(BF16)
+    else:
+        control = residual + (gate * update).to(BF16)
+    assert not torch.equal(control, eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(4096, 3072), (1, 211, 12288), (2, 77, 3072)])
+@pytest.mark.parametrize("scaling", [2.0, 0.75, 1 / 3])
+def test_lora_scale_add_kernel(shape, scaling):
+    out = _adversarial_(torch.randn(shape, device="cuda")).to(BF16)
+    update = (torch.randn(shape, device="cuda") * 0.01).to(BF16)
+    eager = train_parity_ops.add_scaled_update(out, update, scaling)
+    fused = kernels.scale_add_bf16(out, update, scaling)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    # control: the update scaled and added in fp32, rounded once
+    assert not torch.equal((out.float() + update.float() * scaling).to(BF16), eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("lengths", [(211, 4096), (77, 1024), (7, 13), (1, 3)])
+def test_joint_qk_norm_rope_kernel(batch, lengths, monkeypatch):
+    from sglang.kernels.ops.diffusion.rope import qknorm_complex_rope_joint_triton
+    from sglang.multimodal_gen.runtime.layers.layernorm import RMSNorm
+    from sglang.multimodal_gen.runtime.utils import train_parity
+
+    heads = 24
+    with train_parity.numerics_mode_context("train_parity"):
+        norms = [RMSNorm(128, eps=1e-6).to("cuda", BF16) for _ in range(4)]
+    for norm in norms:
+        norm.weight.data.uniform_(0.8, 1.2)
+    parts = []
+    for length, (q_norm, k_norm) in zip(lengths, (norms[:2], norms[2:])):
+        angles = torch.randn(length, 64, device="cuda") * 100
+        freqs = torch.polar(torch.ones_like(angles), angles)
+        q, k = (
+            _adversarial_(torch.randn(batch, length, heads, 128, device="cuda")).to(BF16)
+            for _ in range(2)
+        )
+        parts.append((q, k, q_norm, k_norm, freqs))
+    eager = [
+        torch.cat(
+            [
+                train_parity_ops.rotary_emb(part[norm](part[index]), part[4])
+                for part in parts
+            ],
+            dim=1,
+        )
+        for index, norm in ((0, 2), (1, 3))
+    ]
+    with torch.no_grad():
+        fused = train_parity_kernels.joint_qk_norm_rope(parts)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    assert train_parity_kernels.gate_states()[
+        "train_parity Q/K RMSNorm + complex RoPE into the joint Q/K"
+    ] == {"disabled": False, "verified_signatures": 2}
+    # control: the other imaginary-part FMA of the complex multiply
+    fuse_real_sin = qknorm_complex_rope_joint_triton._fuse_real_sin(fused[0].device)
+    monkeypatch.setattr(
+        qknorm_complex_rope_joint_triton, "_fuse_real_sin", lambda device: not fuse_real_sin
+    )
+    joint_q = torch.empty_like(eager[0])
+    joint_k = torch.empty_like(eager[1])
+    offset = 0
+    for q, k, q_norm, k_norm, freqs in parts:
+        kernels.qknorm_complex_rope_joint_(
+            q, k, q_norm.weight, k_norm.weight, freqs, 1e-6, joint_q, joint_k, offset
+        )
+        offset += q.shape[1]
+    assert not torch.equal(joint_q, eager[0])
