@@ -82,6 +82,51 @@ def cases(batch: int):
     )
 
 
+ADVERSARIAL_ROWS = {
+    "zeros": lambda r: r * 0,
+    "negative zeros": lambda r: r * 0 - 0.0,
+    "x 2^60": lambda r: r * 2.0**60,
+    "x 2^-70 (subnormal squares)": lambda r: r * 2.0**-70,
+    "bf16 ties": lambda r: r * 0 + (1 + 2.0**-8),
+}
+
+
+def qk_adversarial_rows() -> dict:
+    """The Q/K kernel against its eager chain with one kind of adversarial row at a time among
+    random rows: which kinds differ, and the first differing element's bits."""
+    import torch
+
+    from sglang.kernels.ops import diffusion as kernels
+    from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
+
+    out = {}
+    weight = (torch.rand(128, device="cuda") * 0.4 + 0.8).to(torch.bfloat16)
+    angles = torch.randn(64, 64, device="cuda") * 100
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    for kind, make in ADVERSARIAL_ROWS.items():
+        x = torch.randn(1, 64, HEADS, 128, device="cuda")
+        x[0, 5, 3] = make(x[0, 5, 3])
+        x = x.to(torch.bfloat16)
+        ref = eager.rotary_emb(eager.rms_norm(x, weight, 1e-6), freqs)
+        q_out, k_out = torch.empty_like(x), torch.empty_like(x)
+        kernels.qknorm_complex_rope_joint_(x, x, weight, weight, freqs, 1e-6, q_out, k_out, 0)
+        bits_f, bits_e = q_out.view(torch.int16), ref.view(torch.int16)
+        differ = (bits_f != bits_e).nonzero()
+        out[kind] = {
+            "equal": not len(differ),
+            "differing_elements": len(differ),
+            "first": None
+            if not len(differ)
+            else {
+                "index": differ[0].tolist(),
+                "fused": float(q_out[tuple(differ[0])]),
+                "eager": float(ref[tuple(differ[0])]),
+            },
+        }
+        print(f"Q/K adversarial row {kind:30s} {out[kind]}", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmark/results/kernels_h200.json")
@@ -115,9 +160,11 @@ def main() -> int:
                     f"eager {t_e * 1e3:8.1f} us  x{t_e / t_f:5.2f}",
                     flush=True,
                 )
+        adversarial = qk_adversarial_rows()
     result = {
         "script": "benchmark/gpu_kernels.py",
         "rows": rows,
+        "qk_adversarial_rows": adversarial,
         "gates": train_parity_kernels.gate_states(),
         "versions": gpu_common.versions(),
         "standin_calls": gpu_standins.calls(),

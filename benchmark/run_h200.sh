@@ -4,9 +4,12 @@
 #   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
 #                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|kernels|all]
 #
-# kernels: the fork's train_parity fused-kernel unit tests on CUDA (each kernel bitwise against
-# its eager chain, with controls), then benchmark/gpu_kernels.py (each kernel timed at
-# Qwen-Image's per-block shapes). speed: SPEED_ARGS go to speed.py (e.g. --image 512 --batch 2).
+# Several targets separated by commas run in one go, in this file's order (one wheel install).
+#
+# kernels: the fork's train_parity fused-kernel and CUDA-graph unit tests on CUDA (each kernel
+# bitwise against its eager chain, every graph replay against the eager forward, with controls),
+# then benchmark/gpu_kernels.py (each kernel timed at Qwen-Image's per-block shapes).
+# PARITY_ARGS go to gpu_parity.py, SPEED_ARGS to speed.py (e.g. --extra-shapes 512x1,1024x2).
 #
 # wan: wan-parity, then wan-speed (one device call for both). qwen21-unit: the fork's Qwen-Image 2.1
 # unit tests (their whole-forward test needs CUDA); qwen21-parity runs them too. ltx2: the fork's
@@ -28,7 +31,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-what=${1:-all}
+targets=${1:-all}
+wants() { [[ ",$targets," == *",$1,"* ]]; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 3; }
@@ -41,40 +45,40 @@ export PYTHONPATH=/tmp/site
 } 2>&1 | tee "$OUT/env.txt"
 
 rc=0
-if [ "$what" = parity ] || [ "$what" = all ]; then
+if wants parity || wants all; then
     timeout "${PARITY_TIMEOUT:-250}" python3 benchmark/gpu_parity.py --out "$OUT/gpu_parity.json" \
-        --budget-s "${PARITY_BUDGET:-170}" >"$OUT/gpu_parity.log" 2>&1
+        --budget-s "${PARITY_BUDGET:-170}" ${PARITY_ARGS:-} >"$OUT/gpu_parity.log" 2>&1
     prc=$?
     echo "gpu_parity exit $prc"; rc=$((rc | prc))
     grep -E "^(train_parity|alpha96|default) |^default |^stand-in|^passed|^FAILED|^ERROR|Error|error:" "$OUT/gpu_parity.log" | tail -40
 fi
-if [ "$what" = wan-parity ] || [ "$what" = wan ]; then
+if wants wan-parity || wants wan; then
     timeout "${WAN_PARITY_TIMEOUT:-480}" python3 benchmark/gpu_parity_wan.py --out "$OUT/gpu_parity_wan.json" \
         --budget-s "${WAN_PARITY_BUDGET:-380}" ${WAN_PARITY_ARGS:-} >"$OUT/gpu_parity_wan.log" 2>&1
     wrc=$?
     echo "gpu_parity_wan exit $wrc"; rc=$((rc | wrc))
     grep -E "^wan|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_wan.log" | tail -30
 fi
-if [ "$what" = qwen21-unit ] || [ "$what" = qwen21-parity ]; then
+if wants qwen21-unit || wants qwen21-parity; then
     # with the stand-ins for the packages the image lacks; the image's own pytest plugins are
     # not for this pytest
     site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${QWEN21_UNIT_TIMEOUT:-120}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
-import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", "/tmp", *sys.argv[1:]]))' \
         "$site/multimodal_gen/test/unit/test_qwen_image21_train_parity.py" >"$OUT/qwen21_unit.log" 2>&1
     urc=$?
     echo "qwen21 unit tests exit $urc"; rc=$((rc | urc))
     tail -3 "$OUT/qwen21_unit.log"
 fi
-if [ "$what" = qwen21-parity ]; then
+if wants qwen21-parity; then
     timeout "${QWEN21_PARITY_TIMEOUT:-400}" python3 benchmark/gpu_parity_qwen21.py --out "$OUT/gpu_parity_qwen21.json" \
         --budget-s "${QWEN21_PARITY_BUDGET:-300}" >"$OUT/gpu_parity_qwen21.log" 2>&1
     qrc=$?
     echo "gpu_parity_qwen21 exit $qrc"; rc=$((rc | qrc))
     grep -E "^qwen-image|^passed|^FAILED|Error|error:" "$OUT/gpu_parity_qwen21.log" | tail -30
 fi
-if [ "$what" = qwen21-speed ]; then
+if wants qwen21-speed; then
     timeout "${QWEN21_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family qwen-image-2.1 \
         --out "$OUT/speed_qwen21.json" --steps "${QWEN21_SPEED_STEPS:-10}" --warmup 2 \
         --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" >"$OUT/speed_qwen21.log" 2>&1
@@ -82,12 +86,13 @@ if [ "$what" = qwen21-speed ]; then
     echo "speed (qwen-image-2.1) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_qwen21.log" | tail -30
 fi
-if [ "$what" = kernels ]; then
+if wants kernels; then
     site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${KERNELS_UNIT_TIMEOUT:-240}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
-import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
-        "$site/multimodal_gen/test/unit/test_train_parity_kernels.py" >"$OUT/kernels_unit.log" 2>&1
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", "/tmp", *sys.argv[1:]]))' \
+        "$site/multimodal_gen/test/unit/test_train_parity_kernels.py" \
+        "$site/multimodal_gen/test/unit/test_train_parity_graphs.py" >"$OUT/kernels_unit.log" 2>&1
     krc=$?
     echo "kernel unit tests exit $krc"; rc=$((rc | krc))
     tail -3 "$OUT/kernels_unit.log"
@@ -95,21 +100,21 @@ import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1
         >"$OUT/gpu_kernels.log" 2>&1
     grc=$?
     echo "gpu_kernels exit $grc"; rc=$((rc | grc))
-    grep -E "^b[12] |^gates|^passed|^FAILED|Error" "$OUT/gpu_kernels.log" | tail -30
+    grep -E "^b[12] |^Q/K adv|^gates|^passed|^FAILED|Error" "$OUT/gpu_kernels.log" | tail -30
 fi
-if [ "$what" = ltx2 ] || [ "$what" = ltx2-unit ]; then
+if wants ltx2 || wants ltx2-unit; then
     # the fork's LTX-2 unit tests (their whole-forward test needs CUDA); ltx2: then the parity run
     # at real widths and the speed at full depth
     site=$(python3 -c "import sglang, os; print(os.path.dirname(sglang.__file__))")
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout "${LTX2_UNIT_TIMEOUT:-120}" python3 -c 'import sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
-import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))' \
+import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", "/tmp", *sys.argv[1:]]))' \
         "$site/multimodal_gen/test/unit/test_ltx2_train_parity.py" >"$OUT/ltx2_unit.log" 2>&1
     urc=$?
     echo "ltx2 unit tests exit $urc"; rc=$((rc | urc))
     tail -3 "$OUT/ltx2_unit.log"
 fi
-if [ "$what" = ltx2 ]; then
+if wants ltx2; then
     timeout "${LTX2_PARITY_TIMEOUT:-240}" python3 benchmark/gpu_parity_ltx2.py --out "$OUT/gpu_parity_ltx2.json" \
         --budget-s "${LTX2_PARITY_BUDGET:-170}" >"$OUT/gpu_parity_ltx2.log" 2>&1
     lrc=$?
@@ -122,7 +127,7 @@ if [ "$what" = ltx2 ]; then
     echo "speed (ltx-2) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^ltx-core|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_ltx2.log" | tail -30
 fi
-if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
+if wants wan-speed || wants wan; then
     timeout "${WAN_SPEED_TIMEOUT:-540}" python3 benchmark/speed.py --family wan --out "$OUT/speed_wan.json" \
         --steps "${WAN_SPEED_STEPS:-3}" --warmup 1 --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" \
         >"$OUT/speed_wan.log" 2>&1
@@ -130,14 +135,14 @@ if [ "$what" = wan-speed ] || [ "$what" = wan ]; then
     echo "speed (wan) exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/speed_wan.log" | tail -30
 fi
-if [ "$what" = speed ] || [ "$what" = all ]; then
+if wants speed || wants all; then
     timeout "${SPEED_TIMEOUT:-320}" python3 benchmark/speed.py --out "$OUT/${SPEED_NAME:-speed}.json" \
         --variants "${SPEED_VARIANTS:-train_parity,default,diffusers}" ${SPEED_ARGS:-} >"$OUT/${SPEED_NAME:-speed}.log" 2>&1
     src=$?
     echo "speed exit $src"; rc=$((rc | src))
     grep -E "median|^variant|^train_parity|^default|^diffusers|_over_|family_gap|step_output|^ERROR|Error" "$OUT/${SPEED_NAME:-speed}.log" | tail -30
 fi
-if [ "$what" = fingerprints ] || { [ "$what" = demo ] && [ -z "${DEMO_MODEL_ID:-}" ]; }; then
+if wants fingerprints || { wants demo && [ -z "${DEMO_MODEL_ID:-}" ]; }; then
     # what rollout fingerprints cost per step at real Qwen-Image sizes (60 blocks' LoRA r64 adapters)
     timeout "${FINGERPRINT_TIMEOUT:-150}" python3 -c 'import runpy, sys; sys.path.insert(0, ".")
 from benchmark import gpu_standins; gpu_standins.install()
@@ -148,7 +153,7 @@ runpy.run_path("benchmark/fingerprint_cost.py", run_name="__main__")' \
     echo "fingerprint cost exit $frc"; rc=$((rc | frc))
     grep -E "per step|adapter checksum|Error" "$OUT/fingerprint_cost.log" | tail -5
 fi
-if [ "$what" = demo ]; then
+if wants demo; then
     # The client and both servers run benchmark/demo_site/sitecustomize.py (stand-ins, logged native
     # fallbacks of the text encoder and VAE, DefaultPathHarness for the default DiT only); every
     # harness record goes to harness.jsonl. The default server gets upstream's SDPA attention backend
@@ -180,7 +185,7 @@ PY
     # the server logs' errors, if any
     grep -h -E "Traceback|Error|error:" "$OUT"/demo-logs/server-*.log 2>/dev/null | grep -v "^\[server_harness\]" | sort | uniq -c | sort -rn | head -20
 fi
-if [ "$what" = tool ]; then
+if wants tool; then
     # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model
     # built there: server and trainer RoPE tables built alike (cpu, device), then crossed (server on
     # the device, trainer on the CPU), which must fail at rotary_emb and name the option.

@@ -206,13 +206,13 @@ class Annotator:
             h.remove()
 
 
-def profile_step(step_fn, model, device: str) -> dict:
+def profile_step(step_fn, model, device: str, annotate: bool = True) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cuda":
         return {"skipped": "cpu"}
-    annot = Annotator(model)
+    annot = Annotator(model if annotate else torch.nn.Module())
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
@@ -313,6 +313,25 @@ def time_steps(step_fn, warmup: int, steps: int, device: str) -> list[float]:
     return times
 
 
+def timed(step, args) -> dict:
+    """``args.rounds`` timed runs of ``args.steps`` steps (the first after ``args.warmup``
+    warm-up steps, the others after one): the median, p10 and p90 over all steps and
+    each run's median."""
+    rounds = [
+        time_steps(step, args.warmup if r == 0 else 1, args.steps, args.device)
+        for r in range(args.rounds)
+    ]
+    times = [t for run in rounds for t in run]
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return {
+        "step_ms_median": round(statistics.median(times), 2),
+        "step_ms_p10": round(q[0], 2),
+        "step_ms_p90": round(q[-1], 2),
+        "round_medians_ms": [round(statistics.median(run), 2) for run in rounds],
+        "step_ms_all": [round(t, 2) for t in times],
+    }
+
+
 def timesteps_for(n: int, device):
     import torch
 
@@ -387,7 +406,7 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
     ts = timesteps_for(64, device)
 
     def step(i):
-        t = ts[i % len(ts)].expand(batch)
+        t = ts[i % len(ts)].expand(batch).contiguous()
         outs = {}
         with torch.no_grad(), set_forward_context(
             current_timestep=i, attn_metadata=None, forward_batch=None
@@ -794,11 +813,18 @@ def main() -> int:
     )
     parser.add_argument("--batch", type=int, default=1, help="Qwen-Image: batch size")
     parser.add_argument(
+        "--extra-shapes",
+        default="",
+        help="Qwen-Image: more 'SIDExBATCH' shapes timed on every variant but default "
+        "with the same model, e.g. 512x1,1024x2",
+    )
+    parser.add_argument(
         "--variants",
         default="train_parity,diffusers,default",
-        help="train_parity (fused kernels, CUDA graphs where installed), "
-        "train_parity_eager (the same model, eager op chains: "
-        "SGLANG_TRAIN_PARITY_FUSED_KERNELS=0), default, diffusers, ltx-core",
+        help="train_parity (fused kernels and CUDA-graph replay, as the loader sets it "
+        "up), train_parity_no_graph (the same model, fused kernels launched eagerly), "
+        "train_parity_eager (the same model, eager op chains and launches), default, "
+        "diffusers, ltx-core",
     )
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--jit", default="off", choices=("off", "compile"))
@@ -908,14 +934,14 @@ def main() -> int:
 
     step_outputs = {}
     variants = args.variants.split(",")
-    kept = None  # the train_parity model, kept for train_parity_eager
+    train_parity_variants = [v for v in variants if v.startswith("train_parity")]
+    kept = None  # (model, step, info, graphed forward) shared by the train_parity variants
     for variant in variants:
         t0 = time.monotonic()
         entry: dict = {}
         result["variants"][variant] = entry
         harness = gpu_common.DefaultPathHarness() if variant == "default" else None
         model = step = None
-        # train_parity_eager runs the train_parity model with the fused kernels off
         train_parity_kernels.FUSED_KERNELS = variant != "train_parity_eager"
         try:
             if args.device == "cuda":
@@ -936,9 +962,9 @@ def main() -> int:
             elif variant == "diffusers":
                 model, info = build_diffusers(config, args.device)
                 step = diffusers_step_fn(model, config, grid, txt, args.device, args.batch)
-            elif variant == "train_parity_eager" and kept is not None:
-                model, step, info = kept
-                info = dict(info, shares_model_with="train_parity")
+            elif variant in train_parity_variants and kept is not None:
+                model, step, info, graphed = kept
+                info = dict(info, shares_model_with=train_parity_variants[0])
             else:
                 numerics = "train_parity" if variant.startswith("train_parity") else variant
                 model, info = build_fork(
@@ -952,6 +978,15 @@ def main() -> int:
                     step = qwen21_fork_step_fn(model, config, grid, args.device)
                 else:
                     step = fork_step_fn(model, config, grid, txt, args.device, args.batch)
+                if variant in train_parity_variants:
+                    graphed = model.__dict__.get("forward")  # the loader's graph replay
+                    kept = (model, step, info, graphed)
+            if variant in train_parity_variants:
+                # only train_parity replays graphs; the other two launch eagerly
+                model.__dict__.pop("forward", None)
+                if variant == "train_parity" and graphed is not None:
+                    model.forward = graphed
+                entry["cuda_graphs"] = "forward" in model.__dict__
             entry.update(info)
             if args.device == "cuda":
                 entry["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -961,20 +996,8 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats()
             entry["build_s"] = round(time.monotonic() - t0, 1)
             t1 = time.monotonic()
-            rounds = [
-                time_steps(step, args.warmup if r == 0 else 1, args.steps, args.device)
-                for r in range(args.rounds)
-            ]
+            entry.update(timed(step, args))
             entry["warmup_and_timing_s"] = round(time.monotonic() - t1, 1)
-            times = [t for run in rounds for t in run]
-            q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-            entry.update(
-                step_ms_median=round(statistics.median(times), 2),
-                step_ms_p10=round(q[0], 2),
-                step_ms_p90=round(q[-1], 2),
-                round_medians_ms=[round(statistics.median(run), 2) for run in rounds],
-                step_ms_all=[round(t, 2) for t in times],
-            )
             if args.device == "cuda":
                 # peak while stepping (weights + activations), build transients excluded
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -982,18 +1005,39 @@ def main() -> int:
                     torch.cuda.max_memory_reserved() / 2**30, 2
                 )
             if not args.no_profile:
-                entry["profile"] = profile_step(step, model, args.device)
+                # module hooks would make graph replay fall back to eager
+                entry["profile"] = profile_step(
+                    step, model, args.device, annotate=not entry.get("cuda_graphs")
+                )
             # one step's CFG output, for the bitwise comparison of the variants
             step_outputs[variant] = step(0).detach().cpu()
+            if args.extra_shapes and args.family == "qwen-image" and variant != "default":
+                entry["extra_shapes"] = {}
+                for extra in args.extra_shapes.split(","):
+                    side, batch = (int(v) for v in extra.split("x"))
+                    shape_step = (
+                        diffusers_step_fn if variant == "diffusers" else fork_step_fn
+                    )(model, config, (side // 16, side // 16), txt, args.device, batch)
+                    shape_entry = timed(shape_step, args)
+                    if not args.no_profile:
+                        shape_entry["profile"] = profile_step(
+                            shape_step, model, args.device, annotate=False
+                        )
+                        floor = shape_entry["profile"].get("contract_floor_ms")
+                        if floor:
+                            shape_entry["wall_over_contract_floor"] = round(
+                                shape_entry["step_ms_median"] / floor, 3
+                            )
+                    entry["extra_shapes"][f"{side}x{side} batch {batch}"] = shape_entry
+                    step_outputs[(variant, extra)] = shape_step(0).detach().cpu()
+                    save()
             if variant.startswith("train_parity"):
                 entry["fused_kernels"] = (
                     train_parity_kernels.gate_states()
                     if train_parity_kernels.FUSED_KERNELS
                     else "off"
                 )
-            if variant == "train_parity" and "train_parity_eager" in variants:
-                kept = (model, step, info)
-            elif variant == "train_parity_eager":
+            if train_parity_variants and variant == train_parity_variants[-1]:
                 kept = None
         except Exception:  # noqa: BLE001
             result["errors"][variant] = gpu_common.format_exc()
@@ -1022,7 +1066,15 @@ def main() -> int:
         result[f"step_output_vs_{trainer}"] = {
             k: {"equal": torch.equal(out, theirs), "max_ulp": ulp_distance(out, theirs)}
             for k, out in step_outputs.items()
-            if k != trainer
+            if isinstance(k, str) and k != trainer
+        }
+        result[f"extra_shapes_step_output_vs_{trainer}"] = {
+            f"{k[0]} {k[1]}": {
+                "equal": torch.equal(out, step_outputs[(trainer, k[1])]),
+                "max_ulp": ulp_distance(out, step_outputs[(trainer, k[1])]),
+            }
+            for k, out in step_outputs.items()
+            if isinstance(k, tuple) and k[0] != trainer and (trainer, k[1]) in step_outputs
         }
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     for e in v.values():
@@ -1070,8 +1122,18 @@ def main() -> int:
             f"{e.get('peak_gib')!s:>9s} {p.get('kernel_time_ms')!s:>9s} {p.get('kernel_launches')!s:>9s} "
             f"{p.get('contract_floor_ms')!s:>9s} {e.get('wall_over_contract_floor')!s:>7s}  {e.get('round_medians_ms')}"
         )
+    for k, e in v.items():
+        for shape, x in (e.get("extra_shapes") or {}).items():
+            p = x.get("profile") or {}
+            print(
+                f"{k:19s} {shape:16s} median {x['step_ms_median']} ms p10 {x['step_ms_p10']} "
+                f"p90 {x['step_ms_p90']} kernel {p.get('kernel_time_ms')} ms launches "
+                f"{p.get('kernel_launches')} floor {p.get('contract_floor_ms')} ms "
+                f"/floor {x.get('wall_over_contract_floor')} rounds {x['round_medians_ms']}"
+            )
     for k in (
         f"step_output_vs_{trainer}",
+        f"extra_shapes_step_output_vs_{trainer}",
         "train_parity_over_default",
         f"train_parity_over_{trainer}",
         "kernel_time_ms_per_step",

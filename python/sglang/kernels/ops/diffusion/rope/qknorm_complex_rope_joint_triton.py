@@ -12,7 +12,9 @@ with a BF16 weight followed by complex64 RoPE on CUDA::
   a contiguous 128-wide fp32 row on CUDA (torch >= 2.10): lane ``l`` sums
   its float4 ``s[4l..4l+3]`` left to right, the 32 lane partials fold with
   ``shfl_down`` offsets 16, 8, 4, 2, 1, and the sum is multiplied by 1/128.
-  The fold is an explicit tree, so it does not depend on Triton's layout.
+  Four rows on four warps give each lane those four components and make
+  ``tl.sum`` over the lanes the same butterfly (as
+  ``qknorm_complex_rope_triton``); more rows per warp would change it.
 - ``rsqrt.approx.f32`` without flush-to-zero, as ``rsqrtf``.
 - The normalized value rounds to BF16 before the weight multiply.
 - The complex multiply contracts one product into an FMA on each part, as
@@ -33,18 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.kda_kernels.layernorm_modulate_triton import _split_halves
 from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
 
 _HEAD_DIM = 128
-_ROWS = 16
-
-
-@triton.jit
-def _half_fold(p, ROWS: tl.constexpr, HALF: tl.constexpr):
-    # one shfl_down step with offset HALF: lane k adds lane k + HALF
-    lower, upper = _split_halves(p, ROWS, HALF)
-    return lower + upper
+_ROWS = 4  # one row per warp: the reduction order depends on it
 
 
 @triton.jit
@@ -72,13 +66,7 @@ def _qknorm_complex_rope_rows(
     even, odd = tl.split(tl.reshape(value * value, (ROWS, 32, 2, 2)))
     s0, s2 = tl.split(even)
     s1, s3 = tl.split(odd)
-    partial = ((s0 + s1) + s2) + s3
-    partial = _half_fold(partial, ROWS, 16)
-    partial = _half_fold(partial, ROWS, 8)
-    partial = _half_fold(partial, ROWS, 4)
-    partial = _half_fold(partial, ROWS, 2)
-    partial = _half_fold(partial, ROWS, 1)
-    variance = tl.reshape(partial, (ROWS,)) * 0.0078125
+    variance = tl.sum(((s0 + s1) + s2) + s3, 1) * 0.0078125
     inv = tl.rsqrt(variance + eps)
     weight = tl.load(weight_ptr + column).to(tl.float32)
     value = (value * inv[:, None]).to(tl.bfloat16).to(tl.float32)

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA-graph replay of the train_parity DiT forward at exact request shapes.
+
+A graph replays the kernels one forward launched, with the same arguments,
+so a replay computes the same bits as that forward; it saves the host's
+launch work. Nothing is padded to a bucket: every distinct set of input
+shapes, strides and non-tensor arguments gets its own graph, captured the
+second time it is seen (the first call runs eagerly, which is also where the
+fused kernels check themselves against their eager chains).
+
+A graph holds the addresses of the DiT's parameters and buffers and the
+Python state its forward branched on. Before every call the DiT's state is
+read again (parameter and buffer storage, each LoRA layer's enabled and
+merged flags, the runtime LoRA scale); when any of it has changed, as after
+a weight or adapter update, every graph is dropped and captured anew. Calls
+a graph cannot replay exactly run eagerly: with autograd on, with module
+hooks installed, with tensors that are not contiguous CUDA tensors, or with
+inputs the DiT's ``train_parity_graph_replayable`` refuses.
+
+``SGLANG_TRAIN_PARITY_CUDA_GRAPH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
+from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+
+logger = init_logger(__name__)
+
+# Graphs kept per DiT; the least recently replayed one goes first.
+MAX_GRAPHS = 16
+
+
+class _Graph:
+    def __init__(self, forward, leaves: list, spec, pool) -> None:
+        self.inputs = [
+            leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+        ]
+        args, kwargs = tree_unflatten(self.inputs, spec)
+        # a first run on a side stream, as capture requires (lazy initialisation)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = forward(*args, **kwargs)
+
+    def replay(self, leaves: list) -> Any:
+        for static, leaf in zip(self.inputs, leaves):
+            if isinstance(leaf, torch.Tensor):
+                static.copy_(leaf)
+        self.graph.replay()
+        return tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.output
+        )
+
+
+class ExactShapeGraphs:
+    """Replaces ``dit.forward``: replays a CUDA graph per exact call signature."""
+
+    def __init__(self, dit: nn.Module) -> None:
+        self.dit = dit
+        self.eager_forward = dit.forward
+        # None: capture failed for this key, which then runs eagerly
+        self.graphs: OrderedDict[Any, _Graph | None] = OrderedDict()
+        self.seen: set = set()
+        self.state: tuple | None = None
+        self.pool = None
+        dit.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        key = self._key(leaves, spec, kwargs)
+        state = None if key is None else self._state()
+        if state is None:
+            return self.eager_forward(*args, **kwargs)
+        if state != self.state:
+            self.graphs.clear()
+            self.seen.clear()
+            self.state = state
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return self.eager_forward(*args, **kwargs)
+            self.graphs[key] = self._capture(leaves, spec)
+            if len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        graph = self.graphs[key]
+        if graph is None:
+            return self.eager_forward(*args, **kwargs)
+        return graph.replay(leaves)
+
+    def _capture(self, leaves: list, spec) -> _Graph | None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        name = type(self.dit).__name__
+        try:
+            graph = _Graph(self.eager_forward, leaves, spec, self.pool)
+        except Exception as exc:  # the forward did something a graph cannot hold
+            logger.warning(
+                "train_parity: no CUDA graph of the %s forward for these inputs, "
+                "which run eagerly: %s",
+                name,
+                exc,
+            )
+            return None
+        logger.info("train_parity: captured a CUDA graph of the %s forward", name)
+        return graph
+
+    def _key(self, leaves: list, spec, kwargs: dict) -> tuple | None:
+        if torch.is_grad_enabled() or not self.dit.train_parity_graph_replayable(
+            kwargs
+        ):
+            return None
+        key = [spec, BaseLayerWithLoRA._runtime_lora_scale()]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not (leaf.is_cuda and leaf.is_contiguous()):
+                    return None
+                key.append((leaf.shape, leaf.dtype, leaf.device))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    return None
+                key.append(leaf)
+        return tuple(key)
+
+    def _state(self) -> tuple | None:
+        """What the captured graphs depend on besides their inputs; None where a
+        graph cannot stand for the forward (hooks, parameters off the GPU)."""
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return None
+        state = []
+        for module in self.dit.modules():
+            if module._forward_hooks or module._forward_pre_hooks:
+                return None
+            for tensor in (*module._parameters.values(), *module._buffers.values()):
+                if tensor is None:
+                    continue
+                if not tensor.is_cuda:
+                    return None
+                state.append(tensor.data_ptr())
+            if isinstance(module, BaseLayerWithLoRA):
+                state.append((module.disable_lora, module.merged))
+        return tuple(state)
+
+
+def install(dit: nn.Module) -> bool:
+    """Replay ``dit``'s forward from CUDA graphs where its class says how
+    (``train_parity_graph_replayable``); False where it does not."""
+    if not callable(getattr(dit, "train_parity_graph_replayable", None)):
+        return False
+    ExactShapeGraphs(dit)
+    return True

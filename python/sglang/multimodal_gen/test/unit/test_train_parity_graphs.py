@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA-graph replay of the train_parity DiT forward: which calls replay, and on CUDA that
+every replay equals the eager forward bitwise, also after a weight update."""
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from sglang.multimodal_gen.configs.models.dits.qwenimage import QwenImageDitConfig
+from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
+    QwenImagePipelineConfig,
+)
+from sglang.multimodal_gen.runtime.models.dits.qwen_image import (
+    QwenImageTransformer2DModel,
+)
+from sglang.multimodal_gen.runtime.utils import train_parity, train_parity_graphs
+
+pytestmark = pytest.mark.usefixtures("single_process_model_parallel")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need CUDA"
+)
+
+
+def _tiny_dit(device: str) -> QwenImageTransformer2DModel:
+    config = QwenImageDitConfig()
+    hf_config = dict(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        axes_dims_rope=(16, 56, 56),
+    )
+    config.update_model_arch(hf_config)
+    with train_parity.numerics_mode_context("train_parity"):
+        dit = QwenImageTransformer2DModel(config, hf_config)
+    for param in dit.parameters():
+        param.data.normal_(0, 0.05)
+    return dit.to(device, torch.bfloat16).eval()
+
+
+def _inputs(dit, device: str, seed: int, text_len: int = 7, mask: bool = False):
+    generator = torch.Generator(device).manual_seed(seed)
+    img_shapes = [[(1, 4, 4)]]
+    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
+        img_shapes, [text_len], dit.rotary_emb, torch.device(device), torch.bfloat16
+    )
+    text = torch.randn(1, text_len, 64, generator=generator, device=device)
+    return dict(
+        hidden_states=torch.randn(1, 16, 64, generator=generator, device=device).to(
+            torch.bfloat16
+        ),
+        encoder_hidden_states=text.to(torch.bfloat16),
+        encoder_hidden_states_mask=(
+            torch.ones(1, text_len, dtype=torch.bool, device=device) if mask else None
+        ),
+        timestep=torch.rand(1, generator=generator, device=device) * 1000,
+        img_shapes=img_shapes,
+        txt_seq_lens=[text_len],
+        freqs_cis=freqs_cis,
+        freqs_complex=freqs_complex,
+    )
+
+
+def test_only_a_dit_that_says_how_gets_graphs():
+    assert train_parity_graphs.install(torch.nn.Linear(2, 2)) is False
+    dit = _tiny_dit("cpu")
+    assert train_parity_graphs.install(dit)
+    assert isinstance(dit.forward, train_parity_graphs.ExactShapeGraphs)
+
+
+def test_calls_a_graph_cannot_replay_run_eagerly():
+    dit = _tiny_dit("cpu")
+    graphs = train_parity_graphs.ExactShapeGraphs(dit)
+    leaves, spec = [torch.zeros(2)], None
+    with torch.no_grad():
+        assert graphs._key(leaves, spec, {}) is None  # CPU tensors
+        assert graphs._key([[1, 2]], spec, {}) is None  # unhashable leaf
+        assert graphs._key([1], spec, {"encoder_hidden_states_mask": True}) is None
+        assert graphs._key([1], spec, {}) is not None
+    assert graphs._key([1], spec, {}) is None  # autograd on
+    assert graphs._state() is None  # parameters on the CPU
+
+
+@needs_cuda
+def test_replays_equal_the_eager_forward_bitwise():
+    dit = _tiny_dit("cuda")
+    eager_forward = dit.forward
+    train_parity_graphs.install(dit)
+    graphs = dit.forward
+    with torch.no_grad():
+        for seed in range(4):
+            inputs = _inputs(dit, "cuda", seed)
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        assert len(graphs.graphs) == 1
+        # a new prompt length is a new graph, not a padded one
+        inputs = _inputs(dit, "cuda", 9, text_len=11)
+        for _ in range(2):
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        assert len(graphs.graphs) == 2
+        # a weight update (new storage) drops every graph; control: a graph captured
+        # before it still reads the old weights
+        stale = next(iter(graphs.graphs.values()))
+        weight = dit.proj_out.weight
+        weight.data = weight.data * 1.5
+        inputs = _inputs(dit, "cuda", 5)
+        eager = eager_forward(**inputs)
+        assert not torch.equal(stale.replay(tree_flatten(((), inputs))[0]), eager)
+        assert torch.equal(dit(**inputs), eager)
+        assert not graphs.graphs
+        assert torch.equal(dit(**inputs), eager)
+        assert len(graphs.graphs) == 1
+        # an in-place update is what a graph replays
+        weight.data.mul_(0.5)
+        assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        # a text mask and module hooks run the eager forward
+        masked = _inputs(dit, "cuda", 6, mask=True)
+        for _ in range(2):
+            assert torch.equal(dit(**masked), eager_forward(**masked))
+        handle = dit.proj_out.register_forward_hook(lambda *args: None)
+        assert graphs._state() is None
+        handle.remove()
