@@ -19,7 +19,8 @@ with a BF16 weight followed by complex64 RoPE on CUDA::
 - The normalized value rounds to BF16 before the weight multiply.
 - The complex multiply contracts one product into an FMA on each part, as
   PyTorch's CUDA build does; which imaginary product is contracted differs
-  between builds and is probed at runtime (``_fuse_real_sin``).
+  between builds and is probed at runtime (``_fuse_real_sin``). The other
+  product is negated exactly, signed zeros included.
 
 Bit-exactness depends on the installed torch's reduction and complex
 multiply, so callers verify the kernel against the live eager chain on
@@ -75,7 +76,9 @@ def _qknorm_complex_rope_rows(
     token = row // heads % seq_len
     rotation = tl.load(rope_ptr + token[:, None] * 128 + column[None, :], mask, 0.0)
     cos, sin = tl.split(tl.reshape(rotation, (ROWS, 64, 2)))
-    out_real = tl.fma(real, cos, -(imag * sin))
+    # ``* -1.0`` negates as aten's FFMA does; Triton's ``-x`` is ``0 - x``,
+    # which turns -0.0 into +0.0
+    out_real = tl.fma(real, cos, (imag * sin) * -1.0)
     if FUSE_REAL_SIN:
         out_imag = tl.fma(real, sin, imag * cos)
     else:
