@@ -43,9 +43,7 @@ _QK_NORM_ROPE = BitExactFusionGate(
 _LAYER_NORM_MODULATION = BitExactFusionGate(
     "train_parity LayerNorm + scale/shift modulation", per_signature=True
 )
-_GATED_RESIDUAL = BitExactFusionGate(
-    "train_parity gated residual", per_signature=True
-)
+_GATED_RESIDUAL = BitExactFusionGate("train_parity gated residual", per_signature=True)
 _SCALED_UPDATE = BitExactFusionGate(
     "train_parity LoRA scale-and-add", per_signature=True
 )
