@@ -6,14 +6,16 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from sglang.multimodal_gen.configs.models.dits.qwenimage import QwenImageDitConfig
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
 from sglang.multimodal_gen.runtime.models.dits.qwen_image import (
     QwenImageTransformer2DModel,
 )
-from sglang.multimodal_gen.runtime.utils import train_parity, train_parity_graphs
+from sglang.multimodal_gen.runtime.utils import train_parity_graphs
+from sglang.multimodal_gen.test.unit.test_qwen_image_train_parity import (
+    _tiny_dit as tiny_qwen_dit,
+)
 
 pytestmark = pytest.mark.usefixtures("single_process_model_parallel")
 needs_cuda = pytest.mark.skipif(
@@ -22,20 +24,7 @@ needs_cuda = pytest.mark.skipif(
 
 
 def _tiny_dit(device: str) -> QwenImageTransformer2DModel:
-    config = QwenImageDitConfig()
-    hf_config = dict(
-        patch_size=2,
-        in_channels=64,
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=128,
-        num_attention_heads=2,
-        joint_attention_dim=64,
-        axes_dims_rope=(16, 56, 56),
-    )
-    config.update_model_arch(hf_config)
-    with train_parity.numerics_mode_context("train_parity"):
-        dit = QwenImageTransformer2DModel(config, hf_config)
+    dit = tiny_qwen_dit("train_parity")
     for param in dit.parameters():
         param.data.normal_(0, 0.05)
     return dit.to(device, torch.bfloat16).eval()
