@@ -71,6 +71,8 @@ class ExactShapeGraphs:
     def __init__(self, dit: nn.Module) -> None:
         self.dit = dit
         self.eager_forward = dit.forward
+        # callers that pick their kwargs by the forward's signature see the DiT's
+        self.__wrapped__ = self.eager_forward
         # None: capture failed for this key, which then runs eagerly
         self.graphs: OrderedDict[Any, _Graph | None] = OrderedDict()
         self.seen: set = set()

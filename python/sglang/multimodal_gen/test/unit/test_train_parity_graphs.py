@@ -2,6 +2,8 @@
 """CUDA-graph replay of the train_parity DiT forward: which calls replay, and on CUDA that
 every replay equals the eager forward bitwise, also after a weight update."""
 
+import inspect
+
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten
@@ -56,8 +58,12 @@ def _inputs(dit, device: str, seed: int, text_len: int = 7, mask: bool = False):
 def test_only_a_dit_that_says_how_gets_graphs():
     assert train_parity_graphs.install(torch.nn.Linear(2, 2)) is False
     dit = _tiny_dit("cpu")
+    eager_forward = dit.forward
     assert train_parity_graphs.install(dit)
     assert isinstance(dit.forward, train_parity_graphs.ExactShapeGraphs)
+    # the denoising stage passes only the kwargs the forward's signature names
+    assert inspect.signature(dit.forward) == inspect.signature(eager_forward)
+    assert inspect.unwrap(dit.forward) == eager_forward
 
 
 def test_calls_a_graph_cannot_replay_run_eagerly():
