@@ -332,6 +332,13 @@ def timed(step, args) -> dict:
     }
 
 
+def add_floor_ratio(entry: dict) -> None:
+    """The median step over the contract floor of the same entry's profile, where both exist."""
+    floor = (entry.get("profile") or {}).get("contract_floor_ms")
+    if floor and entry.get("step_ms_median"):
+        entry["wall_over_contract_floor"] = round(entry["step_ms_median"] / floor, 3)
+
+
 def timesteps_for(n: int, device):
     import torch
 
@@ -1023,11 +1030,7 @@ def main() -> int:
                         shape_entry["profile"] = profile_step(
                             shape_step, model, args.device, annotate=False
                         )
-                        floor = shape_entry["profile"].get("contract_floor_ms")
-                        if floor:
-                            shape_entry["wall_over_contract_floor"] = round(
-                                shape_entry["step_ms_median"] / floor, 3
-                            )
+                        add_floor_ratio(shape_entry)
                     entry["extra_shapes"][f"{side}x{side} batch {batch}"] = shape_entry
                     step_outputs[(variant, extra)] = shape_step(0).detach().cpu()
                     save()
@@ -1078,9 +1081,7 @@ def main() -> int:
         }
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     for e in v.values():
-        floor = (e.get("profile") or {}).get("contract_floor_ms")
-        if floor and e.get("step_ms_median"):
-            e["wall_over_contract_floor"] = round(e["step_ms_median"] / floor, 3)
+        add_floor_ratio(e)
     if med.get("train_parity") and med.get("default"):
         result["train_parity_over_default"] = round(
             med["train_parity"] / med["default"], 3
