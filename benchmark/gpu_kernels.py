@@ -57,11 +57,12 @@ def cases(batch: int):
         )
         for width in (DIM, MLP):
             base = torch.randn(batch, seq, width, device=dev).to(bf16)
-            update = (torch.randn(batch, seq, width, device=dev) * 0.01).to(bf16)
+            down = torch.randn(batch, seq, 64, device=dev).to(bf16)
+            lora_B = (torch.randn(width, 64, device=dev) * 0.02).to(bf16)
             yield (
-                f"LoRA scale-and-add, {stream}, width {width}",
-                lambda base=base, update=update: fused.add_scaled_update(base, update, 2.0),
-                lambda base=base, update=update: eager.add_scaled_update(base, update, 2.0),
+                f"LoRA-B GEMM + scale-and-add (r64), {stream}, width {width}",
+                lambda b=base, d=down, w=lora_B: fused.add_lora_up(b, d, w, 2.0),
+                lambda b=base, d=down, w=lora_B: eager.add_lora_up(b, d, w, 2.0),
             )
     parts = []
     for seq, (q_norm, k_norm) in zip(TOKENS.values(), (norms[:2], norms[2:])):

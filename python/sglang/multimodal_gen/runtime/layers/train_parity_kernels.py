@@ -25,7 +25,6 @@ from functools import partial
 from typing import Any
 
 import torch
-
 from sglang.kernels.ops import diffusion as kernels
 from sglang.kernels.ops.diffusion import BitExactFusionGate
 from sglang.multimodal_gen import envs
@@ -44,10 +43,10 @@ _LAYER_NORM_MODULATION = BitExactFusionGate(
     "train_parity LayerNorm + scale/shift modulation", per_signature=True
 )
 _GATED_RESIDUAL = BitExactFusionGate("train_parity gated residual", per_signature=True)
-_SCALED_UPDATE = BitExactFusionGate(
-    "train_parity LoRA scale-and-add", per_signature=True
+_LORA_UP = BitExactFusionGate(
+    "train_parity LoRA-B GEMM + scale-and-add", per_signature=True
 )
-GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _SCALED_UPDATE)
+GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _LORA_UP)
 
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -175,16 +174,18 @@ def gated_residual(
     return _verified(_GATED_RESIDUAL, fused, reference, residual, gate_rows, x)
 
 
-def add_scaled_update(
-    out: torch.Tensor, update: torch.Tensor, scaling: float
+def add_lora_up(
+    out: torch.Tensor, down: torch.Tensor, lora_B: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """``train_parity_ops.add_scaled_update``; one kernel for BF16 tensors of
-    one shape."""
-    reference = partial(train_parity_ops.add_scaled_update, out, update, scaling)
-    if not (_takes(out) and update.shape == out.shape and _is_bf16_dense(out, update)):
+    """``train_parity_ops.add_lora_up``; one kernel, the LoRA-B GEMM with the
+    scale-and-add as its epilogue, for BF16 operands and a rank the kernel
+    takes. Its accumulation order is cuBLAS's for such a rank on the GPUs it
+    was measured on, not a property cuBLAS states: the gate is the proof."""
+    reference = partial(train_parity_ops.add_lora_up, out, down, lora_B, scaling)
+    if not (_takes(out) and kernels.can_use_lora_b_scale_add(out, down, lora_B)):
         return reference()
-    fused = partial(kernels.scale_add_bf16, out, update, scaling)
-    return _verified(_SCALED_UPDATE, fused, reference, out, update)
+    fused = partial(kernels.lora_b_scale_add_bf16, out, down, lora_B, scaling)
+    return _verified(_LORA_UP, fused, reference, out, down, lora_B)
 
 
 def joint_qk_norm_rope(

@@ -18,11 +18,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from sglang.multimodal_gen.runtime.layers.rotary_embedding.utils import (
     _apply_rotary_emb_complex,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def rms_norm(
@@ -204,20 +203,19 @@ def math_attention(
         return attention(query, key, value, attn_mask)
 
 
-def lora_update(
-    x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor
-) -> torch.Tensor:
-    """PEFT ``lora.Linear``'s unmerged update ``lora_B(lora_A(x))``, with the
-    input cast to the adapter's dtype."""
-    return F.linear(F.linear(x.to(lora_A.dtype), lora_A), lora_B)
+def lora_down(x: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
+    """PEFT ``lora.Linear``'s ``lora_A(x)``, with the input cast to the
+    adapter's dtype."""
+    return F.linear(x.to(lora_A.dtype), lora_A)
 
 
-def add_scaled_update(
-    out: torch.Tensor, update: torch.Tensor, scaling: float
+def add_lora_up(
+    out: torch.Tensor, down: torch.Tensor, lora_B: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """PEFT's ``result + update * scaling`` on the base layer's output (bias
-    included): the product rounded to the update's dtype, then the sum."""
-    return out + update * scaling
+    """PEFT's ``result + lora_B(down) * scaling`` on the base layer's output
+    (bias included): ``lora_B(down)`` and its product with ``scaling`` each
+    rounded to the adapter's dtype, then the sum."""
+    return out + F.linear(down, lora_B) * scaling
 
 
 def cfg_norm_rescale(combined: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:

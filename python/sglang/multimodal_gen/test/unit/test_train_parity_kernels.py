@@ -3,7 +3,6 @@
 eager chain and turned off, their index math (Triton's interpreter, on the CPU), and on
 CUDA each kernel bitwise against its eager chain, with controls that round elsewhere."""
 
-import math
 import os
 import subprocess
 import sys
@@ -12,7 +11,6 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
-
 from sglang.kernels.ops import diffusion as kernels
 from sglang.multimodal_gen.runtime.layers import train_parity_kernels, train_parity_ops
 
@@ -183,6 +181,7 @@ def test_eager_joint_qk_norm_rope_is_the_attention_chain():
 _INTERPRETED = textwrap.dedent(
     """
     import torch, triton
+    from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton as lb
     from sglang.kernels.ops.diffusion.modulate import add_product_triton as ap
     from sglang.kernels.ops.diffusion.rope import qknorm_complex_rope_joint_triton as qk
 
@@ -217,13 +216,23 @@ _INTERPRETED = textwrap.dedent(
         gate = torch.randn(B, 3 * 70).to(gate_dtype)[:, 70:140]
         out = torch.empty_like(a)
         ap._add_product_kernel[(B * S, 1)](
-            out, a, b, gate, 0.0, 70, S, gate.stride(0), BLOCK=128, C_ROWS=True,
+            out, a, b, gate, 70, S, gate.stride(0), BLOCK=128,
             ROUND_PRODUCT=gate_dtype == torch.bfloat16)
         assert close(out, (a + gate[:, None] * b).bfloat16())
         assert not close(out, (a + gate.flip(0)[:, None] * b).bfloat16())
-    ap._add_product_kernel[(B * S, 1)](
-        out, a, b, None, 1.5, 70, 1, 0, BLOCK=128, C_ROWS=False, ROUND_PRODUCT=True)
-    assert close(out, a + b * 1.5)
+
+    rows, cols, rank = 130, 200, 32  # a partial row tile and a partial column tile
+    base = torch.randn(rows, cols).bfloat16()
+    down = torch.randn(rows, rank).bfloat16()
+    lora_b = (torch.randn(cols, rank) * 0.1).bfloat16()
+    out = torch.full_like(base, float("nan"))
+    grid = (triton.cdiv(rows, lb._BLOCK_M), triton.cdiv(cols, lb._BLOCK_N))
+    # The interpreter's tl.dot misreads BF16 operands (Triton 3.8): FP32 ones here.
+    lb._lora_b_scale_add_kernel[grid](
+        out, base, down.float(), lora_b.float(), 1.5, rows, cols, RANK=rank,
+        BLOCK_M=lb._BLOCK_M, BLOCK_N=lb._BLOCK_N, BLOCK_K=lb._BLOCK_K)
+    assert close(out, base + torch.nn.functional.linear(down, lora_b) * 1.5)
+    assert not close(out, base + torch.nn.functional.linear(down, lora_b.flip(1)) * 1.5)
     print("ok")
     """
 )
@@ -294,19 +303,58 @@ def test_gated_residual_kernel(batch, seq, gate_dtype):
     assert not torch.equal(control, eager)
 
 
+def _lora_down(rows, rank, device="cuda"):
+    """A LoRA-A output with a wide dynamic range, so the order in which the rank is
+    summed shows in the bits; zero and -0.0 rows where there are enough rows."""
+    magnitude = torch.exp(torch.randn(rows, rank, device=device) * 3)
+    down = (magnitude * torch.randn(rows, rank, device=device).sign()).to(BF16)
+    if rows >= 16:
+        down[0], down[1] = 0.0, -0.0
+    return down
+
+
 @needs_cuda
-@pytest.mark.parametrize("shape", [(4096, 3072), (1, 211, 12288), (2, 77, 3072)])
-@pytest.mark.parametrize("scaling", [2.0, 0.75, 1 / 3])
-def test_lora_scale_add_kernel(shape, scaling):
-    out = _adversarial_(torch.randn(shape, device="cuda")).to(BF16)
-    update = (torch.randn(shape, device="cuda") * 0.01).to(BF16)
-    eager = train_parity_ops.add_scaled_update(out, update, scaling)
-    fused = kernels.scale_add_bf16(out, update, scaling)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 4096, 3072),
+        (1, 4096, 12288),
+        (2, 211, 3072),
+        (1, 77, 12288),
+        (1, 1, 3072),
+        (2, 333, 1000),
+    ],
+)
+@pytest.mark.parametrize("rank", [16, 64, 128])
+@pytest.mark.parametrize("scaling", [2.0, 1 / 3])
+def test_lora_b_scale_add_kernel(shape, rank, scaling):
+    base = _adversarial_(torch.randn(shape, device="cuda")).to(BF16)
+    down = _lora_down(base.numel() // shape[-1], rank).view(*shape[:-1], rank)
+    lora_B = (torch.randn(shape[-1], rank, device="cuda") * 0.02).to(BF16)
+    eager = train_parity_ops.add_lora_up(base, down, lora_B, scaling)
+    fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, scaling)
     assert train_parity_kernels.bitwise_equal(fused, eager)
-    # control: the update scaled and added in fp32, rounded once (the same bits where
-    # the scaling is a power of two: the product is exact)
-    control = (out.float() + update.float() * scaling).to(BF16)
-    assert torch.equal(control, eager) == (math.frexp(scaling)[0] == 0.5)
+    if base.numel() // shape[-1] < 64:
+        return  # too few products for the control to be sure to show
+    # control: the same products summed over the rank in reverse order
+    reversed_order = train_parity_ops.add_lora_up(
+        base, down.flip(-1), lora_B.flip(-1), scaling
+    )
+    assert not torch.equal(fused, reversed_order)
+
+
+@needs_cuda
+def test_lora_up_takes_the_kernel_and_verifies_it():
+    base = torch.randn(2, 211, 3072, device="cuda").to(BF16)
+    down = _lora_down(2 * 211, 64).view(2, 211, 64)
+    lora_B = (torch.randn(3072, 64, device="cuda") * 0.02).to(BF16)
+    with torch.no_grad():
+        fused = train_parity_kernels.add_lora_up(base, down, lora_B, 2.0)
+    eager = train_parity_ops.add_lora_up(base, down, lora_B, 2.0)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    assert train_parity_kernels.gate_states()[
+        "train_parity LoRA-B GEMM + scale-and-add"
+    ] == {"disabled": False, "verified_signatures": 1}
 
 
 @needs_cuda
