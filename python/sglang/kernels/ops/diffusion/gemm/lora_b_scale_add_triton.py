@@ -113,7 +113,7 @@ def lora_b_scale_add_bf16(
             scale,
             n_rows,
             n_cols,
-            RANK=rank,
+            RANK=lora_B.shape[-1],
             BLOCK_M=_BLOCK_M,
             BLOCK_N=_BLOCK_N,
             BLOCK_K=_BLOCK_K,
