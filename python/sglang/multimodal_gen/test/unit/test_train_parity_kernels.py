@@ -334,8 +334,10 @@ def test_lora_b_scale_add_kernel(shape, rank, scaling):
     eager = train_parity_ops.add_lora_up(base, down, lora_B, scaling)
     fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, scaling)
     assert train_parity_kernels.bitwise_equal(fused, eager)
-    if base.numel() // shape[-1] < 64:
-        return  # too few products for the control to be sure to show
+    if rank == 16 or base.numel() // shape[-1] < 64:
+        # one 16-wide MMA step sums its products at once: the order shows only across
+        # steps, and only given enough products
+        return
     # control: the same products summed over the rank in reverse order
     reversed_order = train_parity_ops.add_lora_up(
         base, down.flip(-1), lora_B.flip(-1), scaling
