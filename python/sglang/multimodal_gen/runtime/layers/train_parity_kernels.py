@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 import torch
+
 from sglang.kernels.ops import diffusion as kernels
 from sglang.kernels.ops.diffusion import BitExactFusionGate
 from sglang.multimodal_gen import envs

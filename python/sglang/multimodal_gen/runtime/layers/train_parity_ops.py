@@ -18,10 +18,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from sglang.multimodal_gen.runtime.layers.rotary_embedding.utils import (
     _apply_rotary_emb_complex,
 )
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def rms_norm(

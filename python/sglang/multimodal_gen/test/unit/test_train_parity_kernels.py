@@ -11,6 +11,7 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
+
 from sglang.kernels.ops import diffusion as kernels
 from sglang.multimodal_gen.runtime.layers import train_parity_kernels, train_parity_ops
 
