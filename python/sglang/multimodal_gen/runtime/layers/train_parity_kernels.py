@@ -8,8 +8,9 @@ dtypes or layouts) it runs the eager chain.
 
 Every kernel reproduces the eager chain's roundings by construction, and is
 still compared with it on first use per input signature (shapes, strides,
-dtypes), with a bitwise comparison (``BitExactFusionGate``): the reductions
-and FMA contractions it reproduces belong to the installed torch build. A
+dtypes), with a bitwise comparison (``BitExactFusionGate``): the reductions,
+FMA contractions and GEMM accumulation order it reproduces belong to the
+installed torch and cuBLAS builds. A
 mismatch or a failed launch logs one line naming the kernel and turns that
 kernel off for the process; the eager chain runs from then on. No check runs
 inside CUDA-graph capture or compile tracing: there, a signature not yet
