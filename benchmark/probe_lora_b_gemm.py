@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+# the fork's tools (torch only), so the probe runs without the fork installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from sglang_train_parity.compare import ulp_distance  # noqa: E402
 
 
 @triton.jit
@@ -107,14 +112,6 @@ def same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def ulp(a, b):
-    def key(t):
-        i = t.view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -32768 - i, i)
-
-    return int((key(a) - key(b)).abs().max())
-
-
 def operands(m, n, r, adversarial, gen):
     if adversarial:
         mag = torch.exp(torch.randn(m, r, generator=gen, device="cuda") * 3)
@@ -163,11 +160,11 @@ def main():
                             continue
                         got = lora_b(u, b, None, 0.0, k_step=k_step, bm=bm, bn=bn, warps=warps)
                         row["configs"][f"k{k_step}_{bm}x{bn}_w{warps}"] = (
-                            "equal" if same_bits(got, ref) else f"ulp {ulp(got, ref)}"
+                            "equal" if same_bits(got, ref) else f"ulp {ulp_distance(got, ref)}"
                         )
                     if r >= 32:
                         got = lora_b(u, b, None, 0.0, k_step=16, reverse=True)
-                        row["control_reversed_k"] = "equal" if same_bits(got, ref) else f"ulp {ulp(got, ref)}"
+                        row["control_reversed_k"] = "equal" if same_bits(got, ref) else f"ulp {ulp_distance(got, ref)}"
                     print(json.dumps(row), flush=True)
                     result["gemm"].append(row)
 
@@ -180,7 +177,7 @@ def main():
         out = torch.empty_like(x)
         _gelu_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), FORM=form, BLOCK=1024)
         diff = (out.view(torch.int16) != ref.view(torch.int16)) & ~(torch.isnan(out) & torch.isnan(ref))
-        result["gelu"][f"form{form}"] = {"differing": int(diff.sum()), "ulp": ulp(out[~torch.isnan(ref)], ref[~torch.isnan(ref)])}
+        result["gelu"][f"form{form}"] = {"differing": int(diff.sum()), "ulp": ulp_distance(out[~torch.isnan(ref)], ref[~torch.isnan(ref)])}
         if diff.any():
             idx = diff.nonzero()[:5, 0]
             result["gelu"][f"form{form}"]["examples"] = [
