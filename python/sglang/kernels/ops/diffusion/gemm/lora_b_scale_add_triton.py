@@ -7,10 +7,10 @@ H200 against cuBLAS for ranks 16 to 128:
 
 - ``F.linear(down, lora_B)``: the rank (K) is small, so cuBLAS does not split
   it: it accumulates in FP32 in 16-wide MMA steps in K order from a zero
-  accumulator and rounds once to BF16. The kernel accumulates the same steps in the same
-  order with ``tl.dot``. Reversing the K order changes the bits, so the order
-  is observable; cuBLAS does not promise it, and callers compare the kernel
-  with the eager chain before trusting it (``BitExactFusionGate``).
+  accumulator and rounds once to BF16. The kernel accumulates the same steps
+  in the same order with ``tl.dot``. Reversing the K order changes the bits,
+  so the order is observable; cuBLAS does not promise it, and callers compare
+  the kernel with the eager chain before trusting it (``BitExactFusionGate``).
 - ``* scale``: FP32 product with the Python float as FP32, rounded to BF16.
 - ``base + ...``: FP32 sum rounded to BF16.
 
