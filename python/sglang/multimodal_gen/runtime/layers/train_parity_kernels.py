@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from sglang.kernels.ops import diffusion as kernels
 from sglang.kernels.ops.diffusion import BitExactFusionGate
@@ -48,7 +49,10 @@ _GATED_RESIDUAL = BitExactFusionGate("train_parity gated residual", per_signatur
 _LORA_UP = BitExactFusionGate(
     "train_parity LoRA-B GEMM + scale-and-add", per_signature=True
 )
-GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _LORA_UP)
+_LORA_UP_GELU = BitExactFusionGate(
+    "train_parity LoRA-B GEMM + scale-and-add + tanh GELU", per_signature=True
+)
+GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _LORA_UP, _LORA_UP_GELU)
 
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -177,17 +181,59 @@ def gated_residual(
 
 
 def add_lora_up(
-    out: torch.Tensor, down: torch.Tensor, lora_B: torch.Tensor, scaling: float
+    out: torch.Tensor,
+    down: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    gelu_tanh: bool = False,
 ) -> torch.Tensor:
-    """``train_parity_ops.add_lora_up``; one kernel, the LoRA-B GEMM with the
-    scale-and-add as its epilogue, for BF16 operands and a rank the kernel
-    takes. Its accumulation order is cuBLAS's for such a rank on the GPUs it
-    was measured on, not a property cuBLAS states: the gate is the proof."""
-    reference = partial(train_parity_ops.add_lora_up, out, down, lora_B, scaling)
+    """``train_parity_ops.add_lora_up``, through ``F.gelu(approximate="tanh")``
+    if ``gelu_tanh``; one kernel, the LoRA-B GEMM with the scale-and-add (and
+    the GELU) as its epilogue, for BF16 operands and a rank the kernel takes.
+    Its accumulation order is cuBLAS's for such a rank on the GPUs it was
+    measured on, not a property cuBLAS states: the gate is the proof."""
+    reference = partial(_add_lora_up, out, down, lora_B, scaling, gelu_tanh)
     if not (_takes(out) and kernels.can_use_lora_b_scale_add(out, down, lora_B)):
         return reference()
     fused = partial(kernels.lora_b_scale_add_bf16, out, down, lora_B, scaling)
-    return _verified(_LORA_UP, fused, reference, out, down, lora_B)
+    if not gelu_tanh:
+        return _verified(_LORA_UP, fused, reference, out, down, lora_B)
+
+    def fused_gelu():
+        _check_gelu_tanh_on_every_bf16(out.device)
+        return fused(gelu_tanh=True)
+
+    return _verified(_LORA_UP_GELU, fused_gelu, reference, out, down, lora_B)
+
+
+def _add_lora_up(out, down, lora_B, scaling, gelu_tanh):
+    out = train_parity_ops.add_lora_up(out, down, lora_B, scaling)
+    return F.gelu(out, approximate="tanh") if gelu_tanh else out
+
+
+_GELU_TANH_CHECKED: set[torch.device] = set()
+
+
+def _check_gelu_tanh_on_every_bf16(device: torch.device) -> None:
+    """The GELU epilogue's ``tanhf`` is data dependent, so one call's data
+    cannot prove it: it runs once per device on every finite BF16 value,
+    through the kernel with a zero update, against aten's GELU."""
+    if device in _GELU_TANH_CHECKED:
+        return
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device)
+    values = bits.to(torch.int16).view(torch.bfloat16)
+    base = values[values.isfinite()].view(-1, 128)
+    down = base.new_zeros(base.shape[0], 16)
+    lora_B = base.new_zeros(128, 16)
+    fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, 1.0, gelu_tanh=True)
+    expected = _add_lora_up(base, down, lora_B, 1.0, True)
+    if not bitwise_equal(fused, expected):
+        differ = int((fused.view(torch.int16) != expected.view(torch.int16)).sum())
+        raise RuntimeError(
+            f"its tanh GELU differs from aten's on {differ} of {base.numel()} "
+            "BF16 inputs"
+        )
+    _GELU_TANH_CHECKED.add(device)
 
 
 def joint_qk_norm_rope(

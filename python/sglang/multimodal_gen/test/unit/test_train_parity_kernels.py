@@ -175,6 +175,44 @@ def test_eager_joint_qk_norm_rope_is_the_attention_chain():
         assert torch.equal(joint, expected)
 
 
+GELU_GATE = "train_parity LoRA-B GEMM + scale-and-add + tanh GELU"
+
+
+@pytest.mark.parametrize("differing_value", [None, 3.0])
+def test_the_gelu_epilogue_is_checked_on_every_bf16_input(
+    on_the_kernel_path, monkeypatch, differing_value
+):
+    """The first call's data lacks ``differing_value``; the check over every BF16
+    input still finds the kernel's GELU wrong there and turns the kernel off."""
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *args: True)
+    calls = []
+
+    def stand_in(base, down, lora_B, scale, gelu_tanh=False):
+        calls.append(base.shape)
+        out = train_parity_kernels._add_lora_up(base, down, lora_B, scale, gelu_tanh)
+        out.view(torch.int16)[base == differing_value] += 1
+        return out
+
+    monkeypatch.setattr(kernels, "lora_b_scale_add_bf16", stand_in)
+    base = torch.rand(2, 5, 128).to(BF16)  # values in [0, 1)
+    down = torch.randn(2, 5, 16).to(BF16)
+    lora_B = torch.randn(128, 16).to(BF16)
+    expected = torch.nn.functional.gelu(
+        train_parity_ops.add_lora_up(base, down, lora_B, 0.5), approximate="tanh"
+    )
+    for _ in range(2):
+        out = train_parity_kernels.add_lora_up(base, down, lora_B, 0.5, gelu_tanh=True)
+        assert torch.equal(out, expected)
+    disabled = train_parity_kernels.gate_states()[GELU_GATE]["disabled"]
+    if differing_value is None:
+        assert not disabled and calls == [(510, 128), (2, 5, 128), (2, 5, 128)]
+        return
+    assert disabled and calls == [(510, 128)]
+    (message,), _ = train_parity_kernels.logger.warning_once.call_args
+    assert GELU_GATE in message and "differs from aten's on 1 of 65280" in message
+
+
 # Index math under Triton's interpreter. The interpreter computes an FMA in two roundings
 # and truncates fp32 -> bf16, so values are checked to a few bf16 ULPs of the operands
 # here; the bits are checked on CUDA below. Each run also checks a control: the same
@@ -195,11 +233,7 @@ _INTERPRETED = textwrap.dedent(
     weights = [(torch.rand(D) * 0.4 + 0.8).bfloat16() for _ in range(2)]
     angles = torch.randn(S, D // 2)
     rope = torch.polar(torch.ones_like(angles), angles)
-    outs = [torch.full((B, joint, H, D), float("nan")).bfloat16() for _ in range(2)]
     rows = B * S * H
-    qk._qknorm_complex_rope_joint_kernel[(triton.cdiv(rows, qk._ROWS), 2)](
-        q, k, *weights, torch.view_as_real(rope), *outs, rows, S, H,
-        outs[0].stride(0), offset * H * D, 1e-6, ROWS=qk._ROWS, FUSE_REAL_SIN=True)
 
     def expected(x, w, table):
         var = x.float().pow(2).mean(-1, keepdim=True)
@@ -207,10 +241,16 @@ _INTERPRETED = textwrap.dedent(
         z = torch.view_as_complex(y.float().reshape(B, S, H, D // 2, 2)) * table[:, None]
         return torch.view_as_real(z).reshape(B, S, H, D).bfloat16()
 
-    for out, x, w in zip(outs, (q, k), weights):
-        assert out[:, :offset].isnan().all() and out[:, offset + S:].isnan().all()
-        assert close(out[:, offset:offset + S], expected(x, w, rope))
-        assert not close(out[:, offset:offset + S], expected(x, w, rope.roll(1, 0)))
+    for groups in (1, 4):  # 4 groups of 4 rows: the last program's groups run past the end
+        outs = [torch.full((B, joint, H, D), float("nan")).bfloat16() for _ in range(2)]
+        qk._qknorm_complex_rope_joint_kernel[(triton.cdiv(rows, qk._ROWS * groups), 2)](
+            q, k, *weights, torch.view_as_real(rope), *outs, rows, S, H,
+            outs[0].stride(0), offset * H * D, 1e-6, ROWS=qk._ROWS, GROUPS=groups,
+            FUSE_REAL_SIN=True)
+        for out, x, w in zip(outs, (q, k), weights):
+            assert out[:, :offset].isnan().all() and out[:, offset + S:].isnan().all()
+            assert close(out[:, offset:offset + S], expected(x, w, rope))
+            assert not close(out[:, offset:offset + S], expected(x, w, rope.roll(1, 0)))
 
     for gate_dtype in (torch.bfloat16, torch.float32):
         a, b = (torch.randn(B, S, 70).bfloat16() for _ in range(2))
@@ -227,11 +267,11 @@ _INTERPRETED = textwrap.dedent(
     down = torch.randn(rows, rank).bfloat16()
     lora_b = (torch.randn(cols, rank) * 0.1).bfloat16()
     out = torch.full_like(base, float("nan"))
-    grid = (triton.cdiv(rows, lb._BLOCK_M), triton.cdiv(cols, lb._BLOCK_N))
     # The interpreter's tl.dot misreads BF16 operands (Triton 3.8): FP32 ones here.
-    lb._lora_b_scale_add_kernel[grid](
+    # It has no libdevice, so the GELU epilogue is checked on CUDA only.
+    lb._lora_b_scale_add_kernel[(triton.cdiv(rows, 128), triton.cdiv(cols, 128))](
         out, base, down.float(), lora_b.float(), 1.5, rows, cols, RANK=rank,
-        BLOCK_M=lb._BLOCK_M, BLOCK_N=lb._BLOCK_N, BLOCK_K=lb._BLOCK_K)
+        GELU_TANH=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=16)
     assert close(out, base + torch.nn.functional.linear(down, lora_b) * 1.5)
     assert not close(out, base + torch.nn.functional.linear(down, lora_b.flip(1)) * 1.5)
     print("ok")
@@ -344,6 +384,35 @@ def test_lora_b_scale_add_kernel(shape, rank, scaling):
         base, down.flip(-1), lora_B.flip(-1), scaling
     )
     assert not torch.equal(fused, reversed_order)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "shape", [(1, 4096, 12288), (2, 211, 12288), (1, 77, 12288), (2, 333, 1000)]
+)
+def test_lora_b_scale_add_gelu_tanh_kernel(shape):
+    base = _adversarial_(torch.randn(shape, device="cuda")).to(BF16)
+    down = _lora_down(base.numel() // shape[-1], 64).view(*shape[:-1], 64)
+    lora_B = (torch.randn(shape[-1], 64, device="cuda") * 0.02).to(BF16)
+    eager = torch.nn.functional.gelu(
+        train_parity_ops.add_lora_up(base, down, lora_B, 2.0), approximate="tanh"
+    )
+    fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, 2.0, gelu_tanh=True)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+
+
+@needs_cuda
+def test_gelu_epilogue_matches_aten_on_every_bf16_input(monkeypatch):
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    train_parity_kernels._check_gelu_tanh_on_every_bf16(torch.device("cuda", 0))
+    # control: the same check against the erf GELU fails
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    gelu = torch.nn.functional.gelu
+    monkeypatch.setattr(
+        train_parity_kernels.F, "gelu", lambda x, approximate: gelu(x)
+    )
+    with pytest.raises(RuntimeError, match="differs from aten's"):
+        train_parity_kernels._check_gelu_tanh_on_every_bf16(torch.device("cuda", 0))
 
 
 @needs_cuda

@@ -92,6 +92,20 @@ def test_forward_is_pefts_unmerged_forward(kind, masters):
     assert not torch.equal((base.float() + delta).to(BF16), expected)
 
 
+def test_forward_gelu_tanh_is_the_gelu_of_the_forward(masters):
+    layer = _lora_layer(ReplicatedLinear, masters)
+    layer.set_lora_weights(masters.lora_A, masters.lora_B, merge_weights=False)
+    x = torch.randn(2, 13, IN).to(BF16)
+    with torch.no_grad():
+        outs = []
+        for disable_lora in (False, True):
+            layer.disable_lora = disable_lora
+            expected = nn.functional.gelu(layer(x)[0], approximate="tanh")
+            outs.append(layer.forward_gelu_tanh(x))
+            assert torch.equal(outs[-1], expected)
+    assert not torch.equal(*outs)
+
+
 REFUSED = {
     "merged LoRA weights": dict(merge_weights=True),
     "LoRA strength 0.5": dict(strength=0.5),

@@ -39,14 +39,28 @@ import triton.language as tl
 from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
 
 _HEAD_DIM = 128
-_ROWS = 4  # one row per warp: the reduction order depends on it
+# One row per warp: the reduction order depends on it. Each program runs
+# _GROUPS groups of _ROWS rows, loading the next group while it computes one.
+_ROWS = 4
+_GROUPS = 1
+_WARPS = 4
 
 
 @triton.jit
-def _qknorm_complex_rope_rows(
-    x_ptr,
-    weight_ptr,
-    rope_ptr,
+def _load_rows(x_ptr, rope_ptr, row, n_rows, seq_len, heads):
+    column = tl.arange(0, 128)
+    mask = (row < n_rows)[:, None]
+    value = tl.load(x_ptr + row[:, None] * 128 + column[None, :], mask, 0.0)
+    token = row // heads % seq_len
+    rotation = tl.load(rope_ptr + token[:, None] * 128 + column[None, :], mask, 0.0)
+    return value, rotation
+
+
+@triton.jit
+def _norm_rope_store(
+    value,
+    rotation,
+    weight,
     out_ptr,
     row,
     n_rows,
@@ -59,22 +73,16 @@ def _qknorm_complex_rope_rows(
     FUSE_REAL_SIN: tl.constexpr,
 ):
     column = tl.arange(0, 128)
-    mask = (row < n_rows)[:, None]
-    value = tl.load(x_ptr + row[:, None] * 128 + column[None, :], mask, 0.0).to(
-        tl.float32
-    )
+    value = value.to(tl.float32)
     # lane l owns s[4l..4l+3]: split (l, i, j) -> s[4l + 2i + j]
     even, odd = tl.split(tl.reshape(value * value, (ROWS, 32, 2, 2)))
     s0, s2 = tl.split(even)
     s1, s3 = tl.split(odd)
     variance = tl.sum(((s0 + s1) + s2) + s3, 1) * 0.0078125
     inv = tl.rsqrt(variance + eps)
-    weight = tl.load(weight_ptr + column).to(tl.float32)
     value = (value * inv[:, None]).to(tl.bfloat16).to(tl.float32)
     value = (value * weight[None, :]).to(tl.bfloat16).to(tl.float32)
     real, imag = tl.split(tl.reshape(value, (ROWS, 64, 2)))
-    token = row // heads % seq_len
-    rotation = tl.load(rope_ptr + token[:, None] * 128 + column[None, :], mask, 0.0)
     cos, sin = tl.split(tl.reshape(rotation, (ROWS, 64, 2)))
     # ``* -1.0`` negates as aten's FFMA does; Triton's ``-x`` is ``0 - x``,
     # which turns -0.0 into +0.0
@@ -90,7 +98,7 @@ def _qknorm_complex_rope_rows(
     tl.store(
         out_ptr + target[:, None] + column[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask,
+        (row < n_rows)[:, None],
     )
 
 
@@ -112,31 +120,26 @@ def _qknorm_complex_rope_joint_kernel(
     out_offset,
     eps,
     ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
     FUSE_REAL_SIN: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     if tl.program_id(1) == 0:
-        _qknorm_complex_rope_rows(
-            q_ptr,
-            q_weight_ptr,
-            rope_ptr,
-            q_out_ptr,
-            row,
-            n_rows,
-            seq_len,
-            heads,
-            out_batch_stride,
-            out_offset,
-            eps,
-            ROWS,
-            FUSE_REAL_SIN,
-        )
+        x_ptr, weight_ptr, out_ptr = q_ptr, q_weight_ptr, q_out_ptr
     else:
-        _qknorm_complex_rope_rows(
-            k_ptr,
-            k_weight_ptr,
-            rope_ptr,
-            k_out_ptr,
+        x_ptr, weight_ptr, out_ptr = k_ptr, k_weight_ptr, k_out_ptr
+    weight = tl.load(weight_ptr + tl.arange(0, 128)).to(tl.float32)
+    row = tl.program_id(0).to(tl.int64) * (GROUPS * ROWS) + tl.arange(0, ROWS)
+    value, rotation = _load_rows(x_ptr, rope_ptr, row, n_rows, seq_len, heads)
+    for group in tl.static_range(GROUPS):
+        if group + 1 < GROUPS:
+            next_value, next_rotation = _load_rows(
+                x_ptr, rope_ptr, row + ROWS, n_rows, seq_len, heads
+            )
+        _norm_rope_store(
+            value,
+            rotation,
+            weight,
+            out_ptr,
             row,
             n_rows,
             seq_len,
@@ -147,6 +150,8 @@ def _qknorm_complex_rope_joint_kernel(
             ROWS,
             FUSE_REAL_SIN,
         )
+        if group + 1 < GROUPS:
+            value, rotation, row = next_value, next_rotation, row + ROWS
 
 
 def _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset):
@@ -201,15 +206,18 @@ def qknorm_complex_rope_joint_(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     offset: int,
+    tiles: tuple[int, int, int] | None = None,
 ) -> None:
     """Write the RMSNorm + complex RoPE of ``q`` and ``k`` ([B, S, H, 128])
     into ``q_out[:, offset:offset + S]`` and ``k_out[:, offset:offset + S]``
-    ([B, S_joint, H, 128])."""
+    ([B, S_joint, H, 128]). ``tiles`` overrides (rows per group, groups per
+    program, num_warps)."""
     _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset)
     batch, seq_len, heads, head_dim = q.shape
     n_rows = batch * seq_len * heads
+    rows, groups, num_warps = tiles or (_ROWS, _GROUPS, _WARPS)
     with torch.cuda.device(q.device):
-        _qknorm_complex_rope_joint_kernel[(triton.cdiv(n_rows, _ROWS), 2)](
+        _qknorm_complex_rope_joint_kernel[(triton.cdiv(n_rows, rows * groups), 2)](
             q,
             k,
             q_weight,
@@ -223,9 +231,10 @@ def qknorm_complex_rope_joint_(
             q_out.stride(0),
             offset * heads * head_dim,
             eps,
-            ROWS=_ROWS,
+            ROWS=rows,
+            GROUPS=groups,
             FUSE_REAL_SIN=_fuse_real_sin(q.device),
-            num_warps=4,
+            num_warps=num_warps,
             enable_fp_fusion=False,
             enable_reflect_ftz=False,
         )
