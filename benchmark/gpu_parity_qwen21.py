@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import compare_case  # noqa: E402
+from benchmark.gpu_parity import compare_case, fused_kernels_ran  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 QWEN_IMAGE_21 = dict(
@@ -182,6 +182,7 @@ def main() -> int:
             ),
             flush=True,
         )
+    ok &= fused_kernels_ran(result, device, every_kernel=False)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     print("passed" if ok else "FAILED")
     return 0 if ok else 1

@@ -23,7 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import compare_case, other_rms_norm_rule  # noqa: E402
+from benchmark.gpu_parity import (  # noqa: E402
+    compare_case,
+    fused_kernels_ran,
+    other_rms_norm_rule,
+)
 
 LORA_RANK, LORA_ALPHA = 64, 128
 WAN_14B = dict(
@@ -161,6 +165,7 @@ def main() -> int:
         del model, reference, masters
         if device == "cuda":
             torch.cuda.empty_cache()
+    ok &= fused_kernels_ran(result, device, every_kernel=False)
     args.out.write_text(__import__("json").dumps(result, indent=1, default=str))
     print("passed" if ok else "FAILED")
     return 0 if ok else 1
