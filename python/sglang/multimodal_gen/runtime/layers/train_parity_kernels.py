@@ -52,7 +52,13 @@ _LORA_UP = BitExactFusionGate(
 _LORA_UP_GELU = BitExactFusionGate(
     "train_parity LoRA-B GEMM + scale-and-add + tanh GELU", per_signature=True
 )
-GATES = (_QK_NORM_ROPE, _LAYER_NORM_MODULATION, _GATED_RESIDUAL, _LORA_UP, _LORA_UP_GELU)
+GATES = (
+    _QK_NORM_ROPE,
+    _LAYER_NORM_MODULATION,
+    _GATED_RESIDUAL,
+    _LORA_UP,
+    _LORA_UP_GELU,
+)
 
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 

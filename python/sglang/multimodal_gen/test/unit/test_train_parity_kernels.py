@@ -408,9 +408,7 @@ def test_gelu_epilogue_matches_aten_on_every_bf16_input(monkeypatch):
     # control: the same check against the erf GELU fails
     monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
     gelu = torch.nn.functional.gelu
-    monkeypatch.setattr(
-        train_parity_kernels.F, "gelu", lambda x, approximate: gelu(x)
-    )
+    monkeypatch.setattr(train_parity_kernels.F, "gelu", lambda x, approximate: gelu(x))
     with pytest.raises(RuntimeError, match="differs from aten's"):
         train_parity_kernels._check_gelu_tanh_on_every_bf16(torch.device("cuda", 0))
 
