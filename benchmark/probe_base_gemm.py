@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -32,105 +33,233 @@ SCALING = 2.0
 
 
 @triton.jit
-def _epilogue(acc, bias_ptr, down_ptr, b_ptr, offs_m, offs_n, M, N, scaling, R: tl.constexpr, LORA: tl.constexpr):
+def _gelu_tanh(x):
+    inner = 0.7978845608028654 * tl.fma(0.044715, x * x * x, x)
+    return 0.5 * x * (1.0 + libdevice.tanh(inner))
+
+
+@triton.jit
+def _scaled_update(down_desc, lb_desc, off_m, off_n, scaling):
+    # RN(RN(down @ lora_B^T) * scaling): PEFT's update under autocast
+    up = tl.dot(down_desc.load([off_m, 0]), lb_desc.load([off_n, 0]).T).to(tl.bfloat16)
+    return (up.to(tl.float32) * scaling).to(tl.bfloat16)
+
+
+@triton.jit
+def _store_part(
+    acc,
+    bias_ptr,
+    out_desc,
+    down_desc,
+    lb_desc,
+    off_m,
+    off_n,
+    N,
+    scaling,
+    update,
+    LORA: tl.constexpr,
+    HAVE_UPDATE: tl.constexpr,
+    GELU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
     out = (acc + bias.to(tl.float32)[None, :]).to(tl.bfloat16)
     if LORA:
-        offs_r = tl.arange(0, R)
-        d = tl.load(down_ptr + offs_m[:, None] * R + offs_r[None, :], mask=(offs_m < M)[:, None], other=0.0)
-        b = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=(offs_n < N)[None, :], other=0.0)
-        up = tl.dot(d, b).to(tl.bfloat16)
-        scaled = (up.to(tl.float32) * scaling).to(tl.bfloat16)
-        out = (out.to(tl.float32) + scaled.to(tl.float32)).to(tl.bfloat16)
-    return out
+        if not HAVE_UPDATE:
+            update = _scaled_update(down_desc, lb_desc, off_m, off_n, scaling)
+        out = (out.to(tl.float32) + update.to(tl.float32)).to(tl.bfloat16)
+    if GELU:
+        out = _gelu_tanh(out.to(tl.float32)).to(tl.bfloat16)
+    out_desc.store([off_m, off_n], out)
 
 
 @triton.jit
-def _gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, down_ptr, b_ptr, M, N, K, scaling,
-    R: tl.constexpr, LORA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _tile(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    out_desc,
+    down_desc,
+    lb_desc,
+    off_m,
+    off_n,
+    N,
+    K,
+    scaling,
+    LORA: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :] * K + offs_k[:, None]
-    m_mask = (offs_m < M)[:, None]
-    n_mask = (offs_n < N)[None, :]
+    update = None
+    if LORA and PROLOGUE:
+        update = _scaled_update(down_desc, lb_desc, off_m, off_n, scaling)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, tl.cdiv(K, BLOCK_K)):
-        a = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        b = tl.load(w_ptrs, mask=n_mask, other=0.0)
-        acc = tl.dot(a, b, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out = _epilogue(acc, bias_ptr, down_ptr, b_ptr, offs_m, offs_n, M, N, scaling, R, LORA)
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], out, mask=m_mask & n_mask)
-
-
-@triton.jit
-def _gemm_tma_persistent_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, down_ptr, b_ptr, M, N, K, scaling,
-    R: tl.constexpr, LORA: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):
-    start = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    num_tiles = num_m * num_n
-    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-        group = tile // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
-        pid_n = (tile % (GROUP_M * num_n)) // size_m
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = x_desc.load([off_m, ki * BLOCK_K])
-            b = w_desc.load([off_n, ki * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        out = _epilogue(acc, bias_ptr, down_ptr, b_ptr, offs_m, offs_n, M, N, scaling, R, LORA)
-        tl.store(
-            out_ptr + offs_m[:, None] * N + offs_n[None, :],
-            out,
-            mask=(offs_m < M)[:, None] & (offs_n < N)[None, :],
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = x_desc.load([off_m, ki * BLOCK_K])
+        b = w_desc.load([off_n, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+    if SUBTILE == 2:
+        acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        acc0, acc1 = tl.split(acc)
+        _store_part(
+            acc0,
+            bias_ptr,
+            out_desc,
+            down_desc,
+            lb_desc,
+            off_m,
+            off_n,
+            N,
+            scaling,
+            None,
+            LORA,
+            False,
+            GELU,
+            BLOCK_N // 2,
+        )
+        _store_part(
+            acc1,
+            bias_ptr,
+            out_desc,
+            down_desc,
+            lb_desc,
+            off_m,
+            off_n + BLOCK_N // 2,
+            N,
+            scaling,
+            None,
+            LORA,
+            False,
+            GELU,
+            BLOCK_N // 2,
+        )
+    else:
+        _store_part(
+            acc,
+            bias_ptr,
+            out_desc,
+            down_desc,
+            lb_desc,
+            off_m,
+            off_n,
+            N,
+            scaling,
+            update,
+            LORA,
+            PROLOGUE,
+            GELU,
+            BLOCK_N,
         )
 
 
-def gemm(x, w, bias, down=None, lora_b=None, tiles=(128, 128, 64, 8, 3, 8)):
-    bm, bn, bk, group, stages, warps = tiles
-    m, k = x.shape
-    n = w.shape[0]
-    out = x.new_empty(m, n)
-    lora = down is not None
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _gemm_kernel[grid](
-        x, w, bias, out, down if lora else x, lora_b if lora else x, m, n, k, SCALING,
-        R=RANK, LORA=lora, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        num_stages=stages, num_warps=warps,
-    )
-    return out
+@triton.jit
+def _gemm_v2_kernel(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    out_desc,
+    down_desc,
+    lb_desc,
+    M,
+    N,
+    K,
+    scaling,
+    LORA: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    SUBTILE: tl.constexpr,
+    GELU: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile in tl.range(
+            tl.program_id(0),
+            num_m * num_n,
+            NUM_SMS,
+            flatten=True,
+            warp_specialize=WARP_SPECIALIZE,
+        ):
+            group = tile // (GROUP_M * num_n)
+            size_m = min(num_m - group * GROUP_M, GROUP_M)
+            pid_m = group * GROUP_M + (tile % (GROUP_M * num_n)) % size_m
+            pid_n = (tile % (GROUP_M * num_n)) // size_m
+            _tile(
+                x_desc,
+                w_desc,
+                bias_ptr,
+                out_desc,
+                down_desc,
+                lb_desc,
+                pid_m * BLOCK_M,
+                pid_n * BLOCK_N,
+                N,
+                K,
+                scaling,
+                LORA,
+                PROLOGUE,
+                SUBTILE,
+                GELU,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
+    else:
+        tile = tl.program_id(0)
+        group = tile // (GROUP_M * num_n)
+        size_m = min(num_m - group * GROUP_M, GROUP_M)
+        pid_m = group * GROUP_M + (tile % (GROUP_M * num_n)) % size_m
+        pid_n = (tile % (GROUP_M * num_n)) // size_m
+        _tile(
+            x_desc,
+            w_desc,
+            bias_ptr,
+            out_desc,
+            down_desc,
+            lb_desc,
+            pid_m * BLOCK_M,
+            pid_n * BLOCK_N,
+            N,
+            K,
+            scaling,
+            LORA,
+            PROLOGUE,
+            SUBTILE,
+            GELU,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
 
 
 _SMS = None
 
 
-def gemm_tma(x, w, bias, down=None, lora_b=None, tiles=(128, 128, 64, 8, 3, 8), ws=False):
+def gemm_v2(
+    x,
+    w,
+    bias,
+    down=None,
+    lora_b=None,
+    gelu=False,
+    *,
+    tiles,
+    persistent,
+    ws,
+    prologue=False,
+    subtile=1,
+):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     global _SMS
@@ -141,22 +270,48 @@ def gemm_tma(x, w, bias, down=None, lora_b=None, tiles=(128, 128, 64, 8, 3, 8), 
     n = w.shape[0]
     out = x.new_empty(m, n)
     lora = down is not None
+    if not lora:
+        down = x.new_zeros(m, RANK)
+        lora_b = x.new_zeros(n, RANK)
+    n_part = bn // subtile
     tiles_total = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    _gemm_tma_persistent_kernel[(min(_SMS, tiles_total),)](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        bias, out, down if lora else x, lora_b if lora else x, m, n, k, SCALING,
-        R=RANK, LORA=lora, NUM_SMS=_SMS, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
-        WARP_SPECIALIZE=ws, num_stages=stages, num_warps=warps,
+    _gemm_v2_kernel[(min(_SMS, tiles_total) if persistent else tiles_total,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(w, [bn, bk]),
+        bias,
+        TensorDescriptor.from_tensor(out, [bm, n_part]),
+        TensorDescriptor.from_tensor(down, [bm, RANK]),
+        TensorDescriptor.from_tensor(lora_b, [n_part, RANK]),
+        m,
+        n,
+        k,
+        SCALING,
+        LORA=lora,
+        PROLOGUE=prologue,
+        SUBTILE=subtile,
+        GELU=gelu,
+        PERSISTENT=persistent,
+        NUM_SMS=_SMS,
+        WARP_SPECIALIZE=ws,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group,
+        num_stages=stages,
+        num_warps=warps,
     )
     return out
 
 
-def peft_chain(x, w, bias, down, lora_b):
-    return F.linear(x, w, bias) + F.linear(down, lora_b) * SCALING
+def peft_chain(x, w, bias, down, lora_b, gelu=False):
+    out = F.linear(x, w, bias) + F.linear(down, lora_b) * SCALING
+    return F.gelu(out, approximate="tanh") if gelu else out
 
 
 def cublas_kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         fn()
         torch.cuda.synchronize()
     return sorted({e.key for e in prof.key_averages() if e.device_type.name == "CUDA"})
@@ -167,29 +322,37 @@ def us(fn):
     return round(do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3, 1)
 
 
-PLAIN_TILES = [
-    (128, 128, 64, 8, 4, 8),
-    (128, 256, 64, 8, 3, 8),
-    (128, 128, 64, 8, 4, 4),
-    (64, 128, 64, 8, 4, 4),
-]
-TMA_TILES = [
-    (128, 128, 64, 8, 4, 8, False),
-    (128, 256, 64, 8, 3, 8, False),
-    (128, 128, 64, 8, 4, 4, True),
-    (128, 256, 64, 8, 3, 8, True),
-]
+VARIANTS = {  # name: gemm_v2 keywords
+    "p-ws-256": dict(tiles=(128, 256, 64, 8, 3, 8), persistent=True, ws=True),
+    "p-ws-256-sub2": dict(
+        tiles=(128, 256, 64, 8, 3, 8), persistent=True, ws=True, subtile=2
+    ),
+    "p-ws-256-pro": dict(
+        tiles=(128, 256, 64, 8, 3, 8), persistent=True, ws=True, prologue=True
+    ),
+    "p-256-sub2": dict(
+        tiles=(128, 256, 64, 8, 3, 8), persistent=True, ws=False, subtile=2
+    ),
+    "np-256": dict(tiles=(128, 256, 64, 8, 3, 8), persistent=False, ws=False),
+    "np-256-sub2": dict(
+        tiles=(128, 256, 64, 8, 3, 8), persistent=False, ws=False, subtile=2
+    ),
+    "p-ws-128w4": dict(tiles=(128, 128, 64, 8, 4, 4), persistent=True, ws=True),
+    "np-64x128w4": dict(tiles=(64, 128, 64, 8, 4, 4), persistent=False, ws=False),
+}
 SHAPES = [  # rows, in, out
     (4096, 3072, 3072),
     (4096, 3072, 12288),
     (4096, 12288, 3072),
-    (8192, 3072, 3072),
-    (8192, 12288, 3072),
     (1024, 3072, 3072),
-    (1024, 3072, 12288),
     (211, 3072, 3072),
+    (211, 3072, 12288),
     (211, 12288, 3072),
 ]
+
+
+def _equal(a, b):
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
 def main() -> int:
@@ -213,41 +376,60 @@ def main() -> int:
             "peft_chain_us": us(lambda: peft_chain(x, w, bias, down, lora_b)),
             "variants": {},
         }
-        # without a bias, aten takes another cuBLAS path (no bias epilogue)
-        got = gemm(x, w, torch.zeros_like(bias), tiles=PLAIN_TILES[0])
-        row["no_bias_equal"] = bool(torch.equal(got.view(torch.int16), F.linear(x, w).view(torch.int16)))
-        row["no_bias_cublas_kernels"] = cublas_kernel_names(lambda: F.linear(x, w))
-        variants = [(f"plain{'x'.join(map(str, t))}", lambda t=t, **kw: gemm(x, w, bias, tiles=t, **kw)) for t in PLAIN_TILES]
-        variants += [
-            (f"tma{'x'.join(map(str, t[:6]))}{'ws' if t[6] else ''}",
-             lambda t=t, **kw: gemm_tma(x, w, bias, tiles=t[:6], ws=t[6], **kw))
-            for t in TMA_TILES
-        ]
-        for name, fn in variants:
+        if n == 12288:
+            expected_gelu = peft_chain(x, w, bias, down, lora_b, gelu=True)
+            row["peft_gelu_chain_us"] = us(
+                lambda: peft_chain(x, w, bias, down, lora_b, gelu=True)
+            )
+        for name, kw in VARIANTS.items():
             entry = {}
-            try:
-                got = fn()
-                entry["equal"] = bool(torch.equal(got.view(torch.int16), expected.view(torch.int16)))
-                if not entry["equal"]:
-                    entry["max_ulp"] = ulp_distance(got, expected)
-                    entry["frac_differ"] = float((got != expected).float().mean())
-                entry["us"] = us(fn)
-                got_lora = fn(down=down, lora_b=lora_b)
-                entry["lora_equal"] = bool(torch.equal(got_lora.view(torch.int16), expected_lora.view(torch.int16)))
-                entry["lora_us"] = us(lambda: fn(down=down, lora_b=lora_b))
-            except Exception as exc:  # a tile shape this Triton cannot compile is a result too
-                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            cases = [
+                ("", {}, expected),
+                ("lora_", dict(down=down, lora_b=lora_b), expected_lora),
+            ]
+            if n == 12288:
+                cases.append(
+                    ("gelu_", dict(down=down, lora_b=lora_b, gelu=True), expected_gelu)
+                )
+            for prefix, extra, want in cases:
+                try:
+                    got = gemm_v2(x, w, bias, **extra, **kw)
+                    entry[prefix + "equal"] = _equal(got, want)
+                    if not entry[prefix + "equal"]:
+                        entry[prefix + "max_ulp"] = ulp_distance(got, want)
+                    entry[prefix + "us"] = us(
+                        lambda: gemm_v2(x, w, bias, **extra, **kw)
+                    )
+                except (
+                    Exception
+                ) as exc:  # a variant this Triton cannot compile is a result too
+                    entry[prefix + "error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             row["variants"][name] = entry
         print(
             f"{m:5d}x{k:5d}->{n:5d} cuBLAS {row['cublas_us']:7.1f} us peft {row['peft_chain_us']:7.1f} "
-            f"kernels {row['cublas_kernels']} no-bias equal {row['no_bias_equal']} "
-            f"{row['no_bias_cublas_kernels']}",
+            f"gelu {row.get('peft_gelu_chain_us')} kernels {row['cublas_kernels']}",
             flush=True,
         )
         for name, e in row["variants"].items():
             print(f"    {name:28s} {json.dumps(e)}", flush=True)
         rows_out.append(row)
+    survey = []
+    for m in (1, 7, 13, 64, 77, 128, 333, 512, 1000, 2048):
+        for k, n in ((3072, 3072), (3072, 12288), (12288, 3072)):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            w = (torch.randn(n, k, device="cuda") * k**-0.5).bfloat16()
+            bias = (torch.randn(n, device="cuda") * 0.1).bfloat16()
+            expected = F.linear(x, w, bias)
+            entry = {
+                "shape": [m, k, n],
+                "cublas_kernels": cublas_kernel_names(lambda: F.linear(x, w, bias)),
+            }
+            for name in ("p-ws-128w4", "np-64x128w4"):
+                entry[name] = _equal(gemm_v2(x, w, bias, **VARIANTS[name]), expected)
+            print("survey", json.dumps(entry), flush=True)
+            survey.append(entry)
     result = {
+        "survey": survey,
         "script": "benchmark/probe_base_gemm.py",
         "torch": torch.__version__,
         "triton": triton.__version__,
