@@ -19,11 +19,15 @@ BF16 = torch.bfloat16
 CUDA = torch.cuda.is_available()
 EAGER_GATED_RESIDUAL = train_parity_ops.gated_residual
 GATED_RESIDUAL = "train_parity gated residual"
+LINEAR_LORA_UP = "train_parity base GEMM + LoRA-B GEMM + scale-and-add"
 
 
 @pytest.fixture(autouse=True)
 def fresh_gates(monkeypatch):
     for gate in train_parity_kernels.GATES:
+        if isinstance(gate, train_parity_kernels.SignatureGates):
+            monkeypatch.setattr(gate, "gates", {})
+            continue
         monkeypatch.setattr(gate, "disabled", False)
         monkeypatch.setattr(gate, "verified", False)
         monkeypatch.setattr(gate, "verified_sigs", set())
@@ -147,6 +151,51 @@ def test_the_switch_runs_the_eager_chains(on_the_kernel_path, monkeypatch):
     out = train_parity_kernels.gated_residual(*inputs)
     assert kernel.calls == 0
     assert torch.equal(out, EAGER_GATED_RESIDUAL(*inputs))
+
+
+def _linear_inputs(rows, device="cpu", inner=64, cols=48, rank=16):
+    x = torch.randn(1, rows, inner, device=device).to(BF16)
+    weight = (torch.randn(cols, inner, device=device) / 8).to(BF16)
+    bias = torch.randn(cols, device=device).to(BF16)
+    down = (torch.randn(1, rows, rank, device=device) * 4).to(BF16)
+    lora_B = (torch.randn(cols, rank, device=device) * 0.02).to(BF16)
+    return x, weight, bias, down, lora_B
+
+
+def _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling):
+    out = torch.nn.functional.linear(x, weight, bias)
+    return train_parity_ops.add_lora_up(out, down, lora_B, scaling)
+
+
+def test_the_base_gemm_kernel_keeps_the_eager_chain_only_where_it_differs(
+    monkeypatch,
+):
+    """cuBLAS picks its GEMM per shape, so one shape's mismatch says nothing about
+    another's: that shape runs the eager chain from then on, the others the kernel."""
+    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
+    monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "can_use_linear_lora", lambda *operands: True)
+
+    def stand_in(x, weight, bias, down, lora_B, scaling):
+        out = _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling)
+        if x.shape[1] == 7:
+            out.view(torch.int16).view(-1)[0] += 1
+        return out
+
+    kernel = MagicMock(side_effect=stand_in)
+    monkeypatch.setattr(kernels, "linear_lora_bf16", kernel)
+    for rows in (5, 7, 5, 7):
+        inputs = _linear_inputs(rows)
+        out = train_parity_kernels.linear_add_lora_up(*inputs, 0.75)
+        assert torch.equal(out, _eager_linear_lora_up(*inputs, 0.75))
+    assert kernel.call_count == 3  # 5 rows: checked, then run; 7 rows: checked once
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP] == {
+        "disabled": False,
+        "verified_signatures": 1,
+        "differing_signatures": 1,
+    }
+    (message,), _ = train_parity_kernels.logger.warning_once.call_args
+    assert f"{LINEAR_LORA_UP} at (1, 7, 64)" in message
 
 
 def test_eager_joint_qk_norm_rope_is_the_attention_chain():
@@ -274,6 +323,30 @@ _INTERPRETED = textwrap.dedent(
         GELU_TANH=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=16)
     assert close(out, base + torch.nn.functional.linear(down, lora_b) * 1.5)
     assert not close(out, base + torch.nn.functional.linear(down, lora_b.flip(1)) * 1.5)
+
+    # The base GEMM kernel, persistent (fewer programs than tiles), with one and two
+    # epilogue parts; the interpreter reads BF16 tensor descriptors wrongly (Triton
+    # 3.8), so FP32 operands, and the roundings are FP32 ones here.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from sglang.kernels.ops.diffusion.gemm import linear_lora_triton as ll
+
+    rows, inner, cols, rank = 130, 96, 200, 32
+    x, weight = torch.randn(rows, inner), torch.randn(cols, inner) * 0.1
+    bias, down, lora_b = torch.randn(cols), torch.randn(rows, rank), torch.randn(cols, rank) * 0.1
+    linear = torch.nn.functional.linear
+    expected = linear(x, weight, bias) + linear(down, lora_b) * 1.5
+    for parts, programs in ((1, 3), (2, 5)):
+        out = torch.full((rows, cols), float("nan"))
+        ll._linear_lora_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x, [64, 32]),
+            TensorDescriptor.from_tensor(weight, [64, 32]), bias,
+            TensorDescriptor.from_tensor(out, [64, 64 // parts]),
+            TensorDescriptor.from_tensor(down, [64, rank]),
+            TensorDescriptor.from_tensor(lora_b, [64 // parts, rank]),
+            rows, cols, inner, 1.5, programs, GELU_TANH=False, BLOCK_M=64, BLOCK_N=64,
+            BLOCK_K=32, GROUP_M=2, EPILOGUE_PARTS=parts, WARP_SPECIALIZE=False)
+        assert close(out, expected)
+        assert not close(out, linear(x, weight, bias.flip(0)) + linear(down, lora_b) * 1.5)
     print("ok")
     """
 )
@@ -399,6 +472,51 @@ def test_lora_b_scale_add_gelu_tanh_kernel(shape):
     )
     fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, 2.0, gelu_tanh=True)
     assert train_parity_kernels.bitwise_equal(fused, eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "shape",  # batch, rows, in, out: Qwen-Image's image and text streams, odd sizes
+    [
+        (1, 4096, 3072, 3072),
+        (1, 4096, 3072, 12288),
+        (1, 4096, 12288, 3072),
+        (2, 211, 3072, 3072),
+        (2, 211, 12288, 3072),
+        (1, 1024, 3072, 12288),
+        (1, 333, 1024, 1000),
+    ],
+)
+def test_linear_lora_kernel(shape):
+    batch, rows, inner, cols = shape
+    x = _adversarial_(torch.randn(batch, rows, inner, device="cuda")).to(BF16)
+    weight = (torch.randn(cols, inner, device="cuda") * inner**-0.5).to(BF16)
+    bias = (torch.randn(cols, device="cuda") * 0.1).to(BF16)
+    down = _lora_down(batch * rows, 64).view(batch, rows, 64)
+    lora_B = (torch.randn(cols, 64, device="cuda") * 0.02).to(BF16)
+    eager = _eager_linear_lora_up(x, weight, bias, down, lora_B, 2.0)
+    fused = kernels.linear_lora_bf16(x, weight, bias, down, lora_B, 2.0)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    # control: the same products summed over K in reverse order
+    reversed_order = _eager_linear_lora_up(
+        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0
+    )
+    assert not torch.equal(fused, reversed_order)
+
+
+@needs_cuda
+def test_linear_add_lora_up_takes_the_kernel_and_verifies_it():
+    inputs = _linear_inputs(1024, device="cuda", inner=3072, cols=3072, rank=64)
+    with torch.no_grad():
+        fused = train_parity_kernels.linear_add_lora_up(*inputs, 2.0)
+    assert train_parity_kernels.bitwise_equal(
+        fused, _eager_linear_lora_up(*inputs, 2.0)
+    )
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP] == {
+        "disabled": False,
+        "verified_signatures": 1,
+        "differing_signatures": 0,
+    }
 
 
 @needs_cuda

@@ -12,6 +12,7 @@ from torch import nn
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
+from sglang.multimodal_gen.runtime.layers import train_parity_kernels
 from sglang.multimodal_gen.runtime.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -90,6 +91,33 @@ def test_forward_is_pefts_unmerged_forward(kind, masters):
     base = nn.functional.linear(x, masters.weight.to(BF16), masters.bias.to(BF16))
     delta = (x.float() @ masters.lora_A.T @ masters.lora_B.T) * (ALPHA / RANK)
     assert not torch.equal((base.float() + delta).to(BF16), expected)
+
+
+@pytest.mark.parametrize(
+    "kind", [ColumnParallelLinear, RowParallelLinear, ReplicatedLinear]
+)
+def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
+    """The base GEMM of an unquantized layer with its bias fused goes to
+    ``linear_add_lora_up``, which can run it in the kernel that adds the update;
+    without a bias the layer runs its own GEMM (cuBLAS takes another path then)."""
+    calls = []
+    linear_add_lora_up = train_parity_kernels.linear_add_lora_up
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return linear_add_lora_up(*args, **kwargs)
+
+    monkeypatch.setattr(train_parity_kernels, "linear_add_lora_up", spy)
+    layer = _lora_layer(kind, masters)
+    layer.set_lora_weights(masters.lora_A, masters.lora_B, merge_weights=False)
+    x = torch.randn(2, 13, IN).to(BF16)
+    with torch.no_grad():
+        out, bias = layer(x)
+        assert bias is None and torch.equal(out, _peft_reference(masters)(x))
+        assert len(calls) == 1
+        layer.base_layer.bias = None
+        layer(x)
+    assert len(calls) == 1
 
 
 def test_forward_gelu_tanh_is_the_gelu_of_the_forward(masters):
