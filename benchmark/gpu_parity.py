@@ -212,9 +212,7 @@ def compare_case(
     comparator = Comparator(
         {"ref": ref_outputs}, True, pair_of or family.sglang_to_diffusers
     )
-    handles = [
-        m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
-    ]
+    handles = hook_modules(model, comparator)
     try:
         results = family.sglang_forward(model, inputs, device)
     finally:
@@ -235,14 +233,22 @@ def compare_case(
     return summary
 
 
+def hook_modules(model, comparator: Comparator) -> list:
+    """Compares every module's output except a LoRA layer's base layer: a hook there keeps
+    its GEMM out of the kernel that adds the update (the LoRA layer's output is compared)."""
+    return [
+        m.register_forward_hook(comparator.hook(n))
+        for n, m in model.named_modules()
+        if not n.endswith(".base_layer")
+    ]
+
+
 def fork_forward(model, inputs, device: str, comparator: Comparator):
     """The fork's forward (train_parity.sglang_dit.run_dit) with each module's output compared as
     it is produced: only statistics stay on the GPU."""
     from sglang_train_parity.sglang_dit import run_dit
 
-    handles = [
-        m.register_forward_hook(comparator.hook(n)) for n, m in model.named_modules()
-    ]
+    handles = hook_modules(model, comparator)
     try:
         output = run_dit(model, inputs, device)
     finally:

@@ -99,7 +99,8 @@ def test_forward_is_pefts_unmerged_forward(kind, masters):
 def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
     """The base GEMM of an unquantized layer with its bias fused goes to
     ``linear_add_lora_up``, which can run it in the kernel that adds the update;
-    without a bias the layer runs its own GEMM (cuBLAS takes another path then)."""
+    with a hook on the base layer, or without a bias (cuBLAS takes another path
+    then), the layer runs its base layer."""
     calls = []
     linear_add_lora_up = train_parity_kernels.linear_add_lora_up
 
@@ -115,6 +116,14 @@ def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
         out, bias = layer(x)
         assert bias is None and torch.equal(out, _peft_reference(masters)(x))
         assert len(calls) == 1
+        # a hook on the base layer needs its output: the layer runs it
+        seen = []
+        handle = layer.base_layer.register_forward_hook(
+            lambda module, args, out: seen.append(out[0])
+        )
+        assert torch.equal(layer(x)[0], out)
+        handle.remove()
+        assert len(calls) == 1 and len(seen) == 1
         layer.base_layer.bias = None
         layer(x)
     assert len(calls) == 1
