@@ -84,10 +84,10 @@ class SignatureGates:
 
 
 _LINEAR_LORA_UP = SignatureGates("train_parity base GEMM + LoRA-B GEMM + scale-and-add")
-# Below this many rows cuBLAS's small-tile GEMMs and the LoRA-B kernel are
-# about as fast on H200, or faster (211 rows, K 12288: cuBLAS alone 35 us, the
-# kernel 62 us).
-_LINEAR_LORA_MIN_ROWS = 1024
+# Below this many rows cuBLAS's GEMM and the LoRA-B kernel were faster on H200:
+# the 512x512 Qwen-Image step (1024 rows) took 4 ms more kernel time with this
+# kernel, the 1024x1024 steps (4096 and 8192 rows) 2 to 4 and 3 ms less.
+_LINEAR_LORA_MIN_ROWS = 4096
 GATES = (
     _QK_NORM_ROPE,
     _LAYER_NORM_MODULATION,

@@ -510,7 +510,7 @@ def test_linear_lora_kernel(shape):
 
 @needs_cuda
 def test_linear_add_lora_up_takes_the_kernel_and_verifies_it():
-    inputs = _linear_inputs(1024, device="cuda", inner=3072, cols=3072, rank=64)
+    inputs = _linear_inputs(4096, device="cuda", inner=3072, cols=3072, rank=64)
     with torch.no_grad():
         fused = train_parity_kernels.linear_add_lora_up(*inputs, 2.0)
     assert train_parity_kernels.bitwise_equal(
