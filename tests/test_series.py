@@ -247,15 +247,14 @@ def test_rebase_reports_patches_that_no_longer_apply(pin, upstream_wheel, tmp_pa
     shifted, _ = _first_hunk_target(patches[0])
     # the latest patch whose first hunk is in a file no earlier patch changes, so that
     # rewriting a line of its context breaks that patch alone
-    index, (broken, line) = next(
-        (i, _first_hunk_target(patch))
-        for i, patch in reversed(list(enumerate(patches)))
-        if i > 0
-        and not any(
-            _first_hunk_target(patch)[0] in _changed_files(earlier)
-            for earlier in patches[:i]
-        )
+    targets = [_first_hunk_target(patch) for patch in patches]
+    changed = [_changed_files(patch) for patch in patches]
+    index = next(
+        i
+        for i in range(len(patches) - 1, 0, -1)
+        if not any(targets[i][0] in files for files in changed[:i])
     )
+    broken, line = targets[index]
     assert shifted != broken
 
     def edit(root: Path) -> None:
