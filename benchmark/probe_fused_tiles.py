@@ -5,7 +5,7 @@ per-block shapes, each checked bitwise against its eager chain and timed by CUDA
     python3 benchmark/probe_fused_tiles.py --out /tmp/tiles.json
 
 Prints one line per case and writes a JSON summary. The chosen tiles are the defaults of
-lora_b_scale_add_triton._tiles and qknorm_complex_rope_joint_triton (_ROWS, _GROUPS, _WARPS);
+lora_b_scale_add_triton._tiles and qknorm_complex_rope_joint_triton._ROWS;
 the unit tests check the defaults over many shapes.
 """
 
@@ -39,79 +39,7 @@ LORA_TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)
     (32, 256, 64, 8),
     (64, 128, 64, 8),
 ]
-QK_TILES = [  # (rows per group, groups per program, num_warps)
-    (4, 1, 4),
-    (4, 2, 4),
-    (4, 4, 4),
-    (4, 8, 4),
-    (8, 1, 8),
-    (8, 2, 8),
-    (8, 4, 8),
-    (8, 1, 4),
-    (16, 1, 4),
-]
-QK_LANES_TILES = [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8)]  # (rows, num_warps)
-
-
-def _qk_lanes_kernel():
-    """A variant of the Q/K kernel that loads rows as [ROWS, 32, 4] (lane l owns s[4l..4l+3]
-    from the load on), so that no layout conversion should be needed; same arithmetic."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(
-        q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, rope_ptr, q_out_ptr, k_out_ptr,
-        n_rows, seq_len, heads, out_batch_stride, out_offset, eps,
-        ROWS: tl.constexpr, FUSE_REAL_SIN: tl.constexpr,
-    ):
-        if tl.program_id(1) == 0:
-            x_ptr, weight_ptr, out_ptr = q_ptr, q_weight_ptr, q_out_ptr
-        else:
-            x_ptr, weight_ptr, out_ptr = k_ptr, k_weight_ptr, k_out_ptr
-        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, 32)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-        mask = (row < n_rows)[:, None, None]
-        value = tl.load(x_ptr + row[:, None, None] * 128 + col, mask, 0.0).to(tl.float32)
-        weight = tl.load(weight_ptr + col).to(tl.float32)
-        token = row // heads % seq_len
-        rotation = tl.load(rope_ptr + token[:, None, None] * 128 + col, mask, 0.0)
-        even, odd = tl.split(tl.reshape(value * value, (ROWS, 32, 2, 2)))
-        s0, s2 = tl.split(even)
-        s1, s3 = tl.split(odd)
-        variance = tl.sum(((s0 + s1) + s2) + s3, 1) * 0.0078125
-        inv = tl.rsqrt(variance + eps)
-        value = (value * inv[:, None, None]).to(tl.bfloat16).to(tl.float32)
-        value = (value * weight).to(tl.bfloat16).to(tl.float32)
-        real, imag = tl.split(tl.reshape(value, (ROWS, 32, 2, 2)))
-        cos, sin = tl.split(tl.reshape(rotation, (ROWS, 32, 2, 2)))
-        out_real = tl.fma(real, cos, (imag * sin) * -1.0)
-        if FUSE_REAL_SIN:
-            out_imag = tl.fma(real, sin, imag * cos)
-        else:
-            out_imag = tl.fma(imag, cos, real * sin)
-        out = tl.reshape(tl.join(out_real, out_imag), (ROWS, 32, 4))
-        batch_rows = seq_len * heads
-        target = (row // batch_rows) * out_batch_stride + out_offset + (row % batch_rows) * 128
-        tl.store(out_ptr + target[:, None, None] + col, out.to(out_ptr.dtype.element_ty), mask)
-
-    return kernel
-
-
-def qk_lanes_launch(kernel, q, k, weights, freqs, q_out, k_out, offset, rows, warps):
-    import torch
-    import triton
-
-    from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
-
-    batch, seq_len, heads, _ = q.shape
-    n_rows = batch * seq_len * heads
-    kernel[(triton.cdiv(n_rows, rows), 2)](
-        q, k, *weights, torch.view_as_real(freqs), q_out, k_out, n_rows, seq_len, heads,
-        q_out.stride(0), offset * heads * 128, 1e-6, ROWS=rows,
-        FUSE_REAL_SIN=_fuse_real_sin(q.device), num_warps=warps,
-        enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
+QK_ROWS = [4, 8]  # heads per group, one per warp
 
 
 def graph_us(fn) -> float:
@@ -196,23 +124,15 @@ def qk_cases(batch, out):
 
         expected = chain()
         row = {"batch": batch, "seq": seq, "eager_us": round(graph_us(chain), 1), "tiles": {}}
-        for tiles in QK_TILES:
-            def fused(tiles=tiles):
+        for rows in QK_ROWS:
+            def fused(rows=rows):
                 qk.qknorm_complex_rope_joint_(
-                    q, k, *weights, freqs, 1e-6, q_out, k_out, 77, tiles=tiles
+                    q, k, *weights, freqs, 1e-6, q_out, k_out, 77, rows=rows
                 )
 
             fused()
             equal = bitwise_equal((q_out[:, 77:], k_out[:, 77:]), expected)
-            row["tiles"]["x".join(map(str, tiles))] = {"equal": equal, "us": round(graph_us(fused), 1)}
-        lanes = _qk_lanes_kernel()
-        for rows, warps in QK_LANES_TILES:
-            def fused(rows=rows, warps=warps):
-                qk_lanes_launch(lanes, q, k, weights, freqs, q_out, k_out, 77, rows, warps)
-
-            fused()
-            equal = bitwise_equal((q_out[:, 77:], k_out[:, 77:]), expected)
-            row["tiles"][f"lanes{rows}x{warps}"] = {"equal": equal, "us": round(graph_us(fused), 1)}
+            row["tiles"][f"rows{rows}"] = {"equal": equal, "us": round(graph_us(fused), 1)}
         best = min(
             ((k, v) for k, v in row["tiles"].items() if v["equal"]), key=lambda kv: kv[1]["us"]
         )

@@ -282,7 +282,6 @@ _INTERPRETED = textwrap.dedent(
     weights = [(torch.rand(D) * 0.4 + 0.8).bfloat16() for _ in range(2)]
     angles = torch.randn(S, D // 2)
     rope = torch.polar(torch.ones_like(angles), angles)
-    rows = B * S * H
 
     def expected(x, w, table):
         var = x.float().pow(2).mean(-1, keepdim=True)
@@ -290,12 +289,11 @@ _INTERPRETED = textwrap.dedent(
         z = torch.view_as_complex(y.float().reshape(B, S, H, D // 2, 2)) * table[:, None]
         return torch.view_as_real(z).reshape(B, S, H, D).bfloat16()
 
-    for groups in (1, 4):  # 4 groups of 4 rows: the last program's groups run past the end
+    for heads_per_group in (4, 2):  # a group past the last head; two groups, the second part
         outs = [torch.full((B, joint, H, D), float("nan")).bfloat16() for _ in range(2)]
-        qk._qknorm_complex_rope_joint_kernel[(triton.cdiv(rows, qk._ROWS * groups), 2)](
-            q, k, *weights, torch.view_as_real(rope), *outs, rows, S, H,
-            outs[0].stride(0), offset * H * D, 1e-6, ROWS=qk._ROWS, GROUPS=groups,
-            FUSE_REAL_SIN=True)
+        qk._qknorm_complex_rope_joint_kernel[(B * S, 2)](
+            q, k, *weights, torch.view_as_real(rope), *outs, S, joint, offset, 1e-6,
+            HEADS=H, ROWS=heads_per_group, FUSE_REAL_SIN=True)
         for out, x, w in zip(outs, (q, k), weights):
             assert out[:, :offset].isnan().all() and out[:, offset + S:].isnan().all()
             assert close(out[:, offset:offset + S], expected(x, w, rope))

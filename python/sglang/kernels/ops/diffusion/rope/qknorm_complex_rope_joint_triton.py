@@ -12,8 +12,8 @@ with a BF16 weight followed by complex64 RoPE on CUDA::
   a contiguous 128-wide fp32 row on CUDA (torch >= 2.10): lane ``l`` sums
   its float4 ``s[4l..4l+3]`` left to right, the 32 lane partials fold with
   ``shfl_down`` offsets 16, 8, 4, 2, 1, and the sum is multiplied by 1/128.
-  Four rows on four warps give each lane those four components and make
-  ``tl.sum`` over the lanes the same butterfly (as
+  One row per warp, each lane loading its four components as one vector,
+  makes ``tl.sum`` over the lanes the same butterfly (as
   ``qknorm_complex_rope_triton``); more rows per warp would change it.
 - ``rsqrt.approx.f32`` without flush-to-zero, as ``rsqrtf``.
 - The normalized value rounds to BF16 before the weight multiply.
@@ -26,10 +26,13 @@ Bit-exactness depends on the installed torch's reduction and complex
 multiply, so callers verify the kernel against the live eager chain on
 first use and fall back on a mismatch.
 
-Q and K share one launch. Rows are read from contiguous ``[B, S, H, 128]``
-tensors and written at ``[:, offset:offset + S]`` of ``[B, S_joint, H,
-128]`` buffers, so a joint text + image sequence needs no ``torch.cat``.
-Shapes are runtime arguments: a new prompt length does not recompile.
+Q and K share one launch; a program runs one token of one of them, so the
+token's RoPE row and the weight are loaded once for all its heads and every
+address is a per-token scalar plus a head offset. Rows are read from
+contiguous ``[B, S, H, 128]`` tensors and written at ``[:, offset:offset +
+S]`` of ``[B, S_joint, H, 128]`` buffers, so a joint text + image sequence
+needs no ``torch.cat``. The head count is compiled in; batch, sequence length
+and offset are runtime arguments: a new prompt length does not recompile.
 """
 
 import torch
@@ -39,52 +42,39 @@ import triton.language as tl
 from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
 
 _HEAD_DIM = 128
-# One row per warp: the reduction order depends on it. Each program runs
-# _GROUPS groups of _ROWS rows, loading the next group while it computes one
-# (7% faster than one group at 4096 x 24 rows on H200).
+# One row per warp: the reduction order depends on it. A program runs a
+# token's heads in groups of _ROWS, loading the next group while it computes one.
 _ROWS = 4
-_GROUPS = 4
-_WARPS = 4
 
 
 @triton.jit
-def _load_rows(x_ptr, rope_ptr, row, n_rows, seq_len, heads):
-    column = tl.arange(0, 128)
-    mask = (row < n_rows)[:, None]
-    value = tl.load(x_ptr + row[:, None] * 128 + column[None, :], mask, 0.0)
-    token = row // heads % seq_len
-    rotation = tl.load(rope_ptr + token[:, None] * 128 + column[None, :], mask, 0.0)
-    return value, rotation
+def _row_offsets(ROWS: tl.constexpr):
+    # [ROWS, 32, 4]: lane l of row r's warp holds the float4 s[4l..4l+3] of
+    # aten's reduction, which is complex numbers 2l and 2l + 1 of the row
+    lane = tl.arange(0, 32)[None, :, None] * 4
+    return (
+        tl.arange(0, ROWS)[:, None, None] * 128 + lane + tl.arange(0, 4)[None, None, :]
+    )
 
 
 @triton.jit
-def _norm_rope_store(
-    value,
-    rotation,
-    weight,
-    out_ptr,
-    row,
-    n_rows,
-    seq_len,
-    heads,
-    out_batch_stride,
-    out_offset,
-    eps,
-    ROWS: tl.constexpr,
-    FUSE_REAL_SIN: tl.constexpr,
-):
-    column = tl.arange(0, 128)
+def _pairs(x, ROWS: tl.constexpr):
+    # [ROWS, 32, 4] -> [ROWS, 32, 2 numbers, 2 parts]
+    return tl.reshape(x, (ROWS, 32, 2, 2))
+
+
+@triton.jit
+def _norm_rope(value, weight, cos, sin, eps, FUSE_REAL_SIN: tl.constexpr):
     value = value.to(tl.float32)
-    # lane l owns s[4l..4l+3]: split (l, i, j) -> s[4l + 2i + j]
-    even, odd = tl.split(tl.reshape(value * value, (ROWS, 32, 2, 2)))
+    # split (number i, part j) -> s[4l + 2i + j]
+    even, odd = tl.split(value * value)
     s0, s2 = tl.split(even)
     s1, s3 = tl.split(odd)
     variance = tl.sum(((s0 + s1) + s2) + s3, 1) * 0.0078125
     inv = tl.rsqrt(variance + eps)
-    value = (value * inv[:, None]).to(tl.bfloat16).to(tl.float32)
-    value = (value * weight[None, :]).to(tl.bfloat16).to(tl.float32)
-    real, imag = tl.split(tl.reshape(value, (ROWS, 64, 2)))
-    cos, sin = tl.split(tl.reshape(rotation, (ROWS, 64, 2)))
+    value = (value * inv[:, None, None, None]).to(tl.bfloat16).to(tl.float32)
+    value = (value * weight).to(tl.bfloat16).to(tl.float32)
+    real, imag = tl.split(value)
     # ``* -1.0`` negates as aten's FFMA does; Triton's ``-x`` is ``0 - x``,
     # which turns -0.0 into +0.0
     out_real = tl.fma(real, cos, (imag * sin) * -1.0)
@@ -92,20 +82,10 @@ def _norm_rope_store(
         out_imag = tl.fma(real, sin, imag * cos)
     else:
         out_imag = tl.fma(imag, cos, real * sin)
-    out = tl.reshape(tl.join(out_real, out_imag), (ROWS, 128))
-    batch_rows = seq_len * heads
-    target = (row // batch_rows) * out_batch_stride + out_offset
-    target += (row % batch_rows) * 128
-    tl.store(
-        out_ptr + target[:, None] + column[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        (row < n_rows)[:, None],
-    )
+    return tl.join(out_real, out_imag)
 
 
-@triton.jit(
-    do_not_specialize=["n_rows", "seq_len", "heads", "out_batch_stride", "out_offset"]
-)
+@triton.jit(do_not_specialize=["seq_len", "joint_len", "offset"])
 def _qknorm_complex_rope_joint_kernel(
     q_ptr,
     k_ptr,
@@ -114,45 +94,44 @@ def _qknorm_complex_rope_joint_kernel(
     rope_ptr,
     q_out_ptr,
     k_out_ptr,
-    n_rows,
     seq_len,
-    heads,
-    out_batch_stride,
-    out_offset,
+    joint_len,
+    offset,
     eps,
+    HEADS: tl.constexpr,
     ROWS: tl.constexpr,
-    GROUPS: tl.constexpr,
     FUSE_REAL_SIN: tl.constexpr,
 ):
     if tl.program_id(1) == 0:
         x_ptr, weight_ptr, out_ptr = q_ptr, q_weight_ptr, q_out_ptr
     else:
         x_ptr, weight_ptr, out_ptr = k_ptr, k_weight_ptr, k_out_ptr
-    weight = tl.load(weight_ptr + tl.arange(0, 128)).to(tl.float32)
-    row = tl.program_id(0).to(tl.int64) * (GROUPS * ROWS) + tl.arange(0, ROWS)
-    value, rotation = _load_rows(x_ptr, rope_ptr, row, n_rows, seq_len, heads)
-    for group in tl.static_range(GROUPS):
-        if group + 1 < GROUPS:
-            next_value, next_rotation = _load_rows(
-                x_ptr, rope_ptr, row + ROWS, n_rows, seq_len, heads
+    token = tl.program_id(0)
+    position = token % seq_len
+    x_ptr += token.to(tl.int64) * (HEADS * 128)
+    # in whole tokens, so that the compiler sees 128-element aligned rows
+    out_token = (token // seq_len).to(tl.int64) * joint_len + offset + position
+    out_ptr += out_token * (HEADS * 128)
+    offsets = _row_offsets(ROWS)
+    weight = _pairs(tl.load(weight_ptr + _row_offsets(1)), 1).to(tl.float32)
+    rotation = tl.load(rope_ptr + position.to(tl.int64) * 128 + _row_offsets(1))
+    cos, sin = tl.split(_pairs(rotation, 1))
+    head = tl.arange(0, ROWS)[:, None, None]
+    value = tl.load(x_ptr + offsets, head < HEADS, 0.0)
+    for group in tl.static_range(triton.cdiv(HEADS, ROWS)):
+        row_offsets = offsets + group * ROWS * 128
+        if (group + 1) * ROWS < HEADS:
+            next_value = tl.load(
+                x_ptr + row_offsets + ROWS * 128, head + (group + 1) * ROWS < HEADS, 0.0
             )
-        _norm_rope_store(
-            value,
-            rotation,
-            weight,
-            out_ptr,
-            row,
-            n_rows,
-            seq_len,
-            heads,
-            out_batch_stride,
-            out_offset,
-            eps,
-            ROWS,
-            FUSE_REAL_SIN,
+        out = _norm_rope(_pairs(value, ROWS), weight, cos, sin, eps, FUSE_REAL_SIN)
+        tl.store(
+            out_ptr + row_offsets,
+            tl.reshape(out, (ROWS, 32, 4)).to(out_ptr.dtype.element_ty),
+            head + group * ROWS < HEADS,
         )
-        if group + 1 < GROUPS:
-            value, rotation, row = next_value, next_rotation, row + ROWS
+        if (group + 1) * ROWS < HEADS:
+            value = next_value
 
 
 def _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset):
@@ -207,18 +186,16 @@ def qknorm_complex_rope_joint_(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     offset: int,
-    tiles: tuple[int, int, int] | None = None,
+    rows: int = _ROWS,
 ) -> None:
     """Write the RMSNorm + complex RoPE of ``q`` and ``k`` ([B, S, H, 128])
     into ``q_out[:, offset:offset + S]`` and ``k_out[:, offset:offset + S]``
-    ([B, S_joint, H, 128]). ``tiles`` overrides (rows per group, groups per
-    program, num_warps)."""
+    ([B, S_joint, H, 128]). ``rows`` overrides the heads per group (one per
+    warp)."""
     _validate(q, k, q_weight, k_weight, rope, q_out, k_out, offset)
     batch, seq_len, heads, head_dim = q.shape
-    n_rows = batch * seq_len * heads
-    rows, groups, num_warps = tiles or (_ROWS, _GROUPS, _WARPS)
     with torch.cuda.device(q.device):
-        _qknorm_complex_rope_joint_kernel[(triton.cdiv(n_rows, rows * groups), 2)](
+        _qknorm_complex_rope_joint_kernel[(batch * seq_len, 2)](
             q,
             k,
             q_weight,
@@ -226,16 +203,14 @@ def qknorm_complex_rope_joint_(
             torch.view_as_real(rope),
             q_out,
             k_out,
-            n_rows,
             seq_len,
-            heads,
-            q_out.stride(0),
-            offset * heads * head_dim,
+            q_out.shape[1],
+            offset,
             eps,
+            HEADS=heads,
             ROWS=rows,
-            GROUPS=groups,
             FUSE_REAL_SIN=_fuse_real_sin(q.device),
-            num_warps=num_warps,
+            num_warps=rows,
             enable_fp_fusion=False,
             enable_reflect_ftz=False,
         )
