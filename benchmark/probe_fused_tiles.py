@@ -100,6 +100,98 @@ def lora_cases(rows_list, out):
                 out.append(row)
 
 
+GELU_LOOPED = [  # (BLOCK_M, BLOCK_N, column tiles per program, num_warps, num_stages)
+    (32, 64, 8, 4, 1),
+    (32, 64, 8, 4, 2),
+    (64, 64, 8, 4, 2),
+    (32, 128, 4, 4, 2),
+    (64, 128, 4, 8, 2),
+    (64, 64, 16, 4, 3),
+    (128, 64, 8, 8, 2),
+]
+
+
+def _lora_b_gelu_looped_kernel():
+    """The LoRA-B + GELU kernel's arithmetic with another schedule: a program loads its rows'
+    ``down`` once and walks several column tiles, the base tile loaded before the rank-64 dot."""
+    import triton
+    import triton.language as tl
+
+    from sglang.kernels.ops.diffusion.gemm.lora_b_scale_add_triton import _gelu_tanh
+
+    @triton.jit
+    def kernel(
+        out_ptr, base_ptr, down_ptr, lora_b_ptr, scale, n_rows, n_cols,
+        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        COL_TILES: tl.constexpr, STAGES: tl.constexpr,
+    ):
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        ks = tl.arange(0, RANK)
+        down = tl.load(down_ptr + rows[:, None] * RANK + ks[None, :], row_mask[:, None], 0.0)
+        for tile in tl.range(0, COL_TILES, num_stages=STAGES):
+            cols = (tl.program_id(1) * COL_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            offsets = rows[:, None] * n_cols + cols[None, :]
+            mask = row_mask[:, None] & col_mask[None, :]
+            base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            lora_b = tl.load(lora_b_ptr + cols[None, :] * RANK + ks[:, None], col_mask[None, :], 0.0)
+            update = tl.dot(down, lora_b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            update = update.to(tl.bfloat16).to(tl.float32)
+            scaled = (update * scale).to(tl.bfloat16).to(tl.float32)
+            out = (base + scaled).to(tl.bfloat16)
+            out = _gelu_tanh(out.to(tl.float32)).to(tl.bfloat16)
+            tl.store(out_ptr + offsets, out, mask=mask)
+
+    return kernel
+
+
+def gelu_looped_cases(rows_list, out):
+    import torch
+    import triton
+
+    from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton as lb
+    from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
+
+    kernel = _lora_b_gelu_looped_kernel()
+    for rows in rows_list:
+        base = torch.randn(rows, MLP, device="cuda").bfloat16()
+        down = (torch.randn(rows, 64, device="cuda") * 4).bfloat16()
+        lora_B = (torch.randn(MLP, 64, device="cuda") * 0.02).bfloat16()
+        expected = lb.lora_b_scale_add_bf16(base, down, lora_B, 2.0, gelu_tanh=True)
+        row = {
+            "rows": rows,
+            "fork_us": round(
+                graph_us(lambda: lb.lora_b_scale_add_bf16(base, down, lora_B, 2.0, gelu_tanh=True)), 1
+            ),
+            "looped": {},
+        }
+        result = torch.empty_like(base)
+        for block_m, block_n, col_tiles, warps, stages in GELU_LOOPED:
+            grid = (triton.cdiv(rows, block_m), triton.cdiv(MLP, block_n * col_tiles))
+
+            def fused(block_m=block_m, block_n=block_n, col_tiles=col_tiles, warps=warps,
+                      stages=stages, grid=grid):
+                kernel[grid](
+                    result, base, down, lora_B, 2.0, rows, MLP, RANK=64, BLOCK_M=block_m,
+                    BLOCK_N=block_n, COL_TILES=col_tiles, STAGES=stages, num_warps=warps,
+                    enable_fp_fusion=False,
+                )
+
+            name = f"{block_m}x{block_n}x{col_tiles}w{warps}s{stages}"
+            try:
+                fused()
+                row["looped"][name] = {
+                    "equal": bitwise_equal(result, expected), "us": round(graph_us(fused), 1)
+                }
+            except Exception as error:  # a schedule the compiler refuses: record it, go on
+                row["looped"][name] = {"error": f"{type(error).__name__}: {error}"[:200]}
+        print(f"lora-b + gelu rows {rows:5d} fork {row['fork_us']} us  "
+              + " ".join(f"{k}:{v.get('us', 'ERR')}{'' if v.get('equal', True) else '(DIFFERS)'}"
+                         for k, v in row["looped"].items()), flush=True)
+        out.append(row)
+
+
 def qk_cases(batch, out):
     import torch
 
@@ -185,12 +277,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--qk-only", action="store_true", help="only the Q/K kernel's tiles")
+    parser.add_argument(
+        "--gelu-looped", action="store_true", help="also the LoRA-B + GELU kernel's looped schedules"
+    )
     args = parser.parse_args()
     gpu_common.setup("cuda", "off")
     import torch
 
-    result = {"script": "benchmark/probe_fused_tiles.py", "lora_b": [], "qk": [], "gemm": []}
+    result = {
+        "script": "benchmark/probe_fused_tiles.py", "lora_b": [], "qk": [], "gemm": [], "gelu_looped": []
+    }
     with torch.no_grad():
+        if args.gelu_looped:
+            gelu_looped_cases((4096, 1024, 8192), result["gelu_looped"])
         if not args.qk_only:
             lora_cases((4096, 211, 8192), result["lora_b"])
         for batch in (1, 2):
