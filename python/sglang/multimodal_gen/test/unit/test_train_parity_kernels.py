@@ -4,6 +4,7 @@ eager chain and turned off, their index math (Triton's interpreter, on the CPU),
 CUDA each kernel bitwise against its eager chain, with controls that round elsewhere."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -364,6 +365,64 @@ def test_kernel_index_math_under_the_triton_interpreter():
         timeout=600,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def _qk_reduction_lane_layout(rows: int, num_warps: int) -> dict[str, int]:
+    """How the Q/K kernel, compiled for sm_90 (no GPU needed), lays out the
+    32 lane partials it sums per row: size per thread, threads per warp and
+    warps along that dimension."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang.kernels.ops.diffusion.rope import qknorm_complex_rope_joint_triton as qk
+
+    kernel = qk._qknorm_complex_rope_joint_kernel
+    types = {
+        "rope_ptr": "*fp32",
+        "eps": "fp32",
+        "HEADS": "constexpr",
+        "ROWS": "constexpr",
+        "FUSE_REAL_SIN": "constexpr",
+    }
+    names = kernel.arg_names
+    source = ASTSource(
+        kernel,
+        {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names},
+        {"HEADS": 24, "ROWS": rows, "FUSE_REAL_SIN": True},
+        attrs={
+            (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if "ptr" in n
+        },
+    )
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    ttgir = compiled.asm["ttgir"]
+    # the sum's operand: [rows, 32], a slice of a 4-D blocked layout
+    operand = re.search(
+        r'"tt\.reduce".*?\}\) : \(tensor<\d+x32xf32, (.*?)\)\s*->', ttgir, re.S
+    )
+    parent = re.search(r"#blocked\d*", operand[1])[0]
+    dims = list(range(4))
+    for sliced in reversed([int(d) for d in re.findall(r"dim = (\d+)", operand[1])]):
+        del dims[sliced]
+    fields = re.search(re.escape(parent) + r" = #ttg\.blocked<\{(.*?)\}>", ttgir)[1]
+    return {
+        name: [int(v) for v in values.split(",")][dims[1]]
+        for name, values in re.findall(r"(\w+) = \[([\d, ]+)\]", fields)
+        if name != "order"
+    }
+
+
+def test_qk_kernel_sums_each_row_over_the_32_lanes_of_one_warp():
+    # aten's tree (lane float4s, then shfl offsets 16..1) needs each row's 32
+    # partials on the 32 lanes of one warp; Triton picks the layout, and 3.6
+    # picked four warps per row for a [rows, 32, 4] load (docs/results.md, run 9)
+    one_warp = {"sizePerThread": 1, "threadsPerWarp": 32, "warpsPerCTA": 1}
+    for rows in (4, 8):
+        assert _qk_reduction_lane_layout(rows, num_warps=rows) == one_warp
+    # control: more warps than rows split each row over two warps
+    assert _qk_reduction_lane_layout(4, num_warps=8) != one_warp
 
 
 # CUDA: each kernel against its eager chain, bitwise, on the widths of Qwen-Image and on

@@ -49,17 +49,16 @@ _ROWS = 4
 
 @triton.jit
 def _row_offsets(ROWS: tl.constexpr):
-    # [ROWS, 32, 4]: lane l of row r's warp holds the float4 s[4l..4l+3] of
-    # aten's reduction, which is complex numbers 2l and 2l + 1 of the row
-    lane = tl.arange(0, 32)[None, :, None] * 4
-    return (
-        tl.arange(0, ROWS)[:, None, None] * 128 + lane + tl.arange(0, 4)[None, None, :]
-    )
+    # [ROWS * 32, 4]: lane l of row r's warp loads the float4 s[4l..4l+3] of
+    # aten's reduction, complex numbers 2l and 2l + 1 of the row. One flat
+    # lane dimension lets the compiler give each warp one row (with separate
+    # row and lane dimensions, Triton 3.6 spreads a row over four warps).
+    return tl.arange(0, ROWS * 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
 
 
 @triton.jit
 def _pairs(x, ROWS: tl.constexpr):
-    # [ROWS, 32, 4] -> [ROWS, 32, 2 numbers, 2 parts]
+    # [ROWS * 32, 4] -> [ROWS, 32, 2 numbers, 2 parts]
     return tl.reshape(x, (ROWS, 32, 2, 2))
 
 
@@ -116,7 +115,7 @@ def _qknorm_complex_rope_joint_kernel(
     weight = _pairs(tl.load(weight_ptr + _row_offsets(1)), 1).to(tl.float32)
     rotation = tl.load(rope_ptr + position.to(tl.int64) * 128 + _row_offsets(1))
     cos, sin = tl.split(_pairs(rotation, 1))
-    head = tl.arange(0, ROWS)[:, None, None]
+    head = (tl.arange(0, ROWS * 32) // 32)[:, None]
     value = tl.load(x_ptr + offsets, head < HEADS, 0.0)
     for group in tl.static_range(triton.cdiv(HEADS, ROWS)):
         row_offsets = offsets + group * ROWS * 128
@@ -127,7 +126,7 @@ def _qknorm_complex_rope_joint_kernel(
         out = _norm_rope(_pairs(value, ROWS), weight, cos, sin, eps, FUSE_REAL_SIN)
         tl.store(
             out_ptr + row_offsets,
-            tl.reshape(out, (ROWS, 32, 4)).to(out_ptr.dtype.element_ty),
+            tl.reshape(out, (ROWS * 32, 4)).to(out_ptr.dtype.element_ty),
             head + group * ROWS < HEADS,
         )
         if (group + 1) * ROWS < HEADS:
