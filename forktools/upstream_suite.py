@@ -2,11 +2,13 @@
 on the fork.
 
 The fork's `sglang/multimodal_gen/test/unit/` (upstream's tests plus the series' own) runs first.
-The tests that failed there (whole modules where one failed to import) run again, on the fork and on
-the pristine tree side by side; a test that passes on pristine but not in the fork's rerun is a
-regression (running the same selection on both sides keeps order effects out of the comparison). Tests that fail on both (no GPU, a package the environment lacks) are counted and not the
-fork's doing. All runs use HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back at once
-instead of after retries, the same way on both sides.
+The tests that failed there (whole modules where one failed to import) run again on the pristine
+tree, and those that pass there run again on the fork, as one selection (usually none: a rerun of
+the same selection on both sides keeps order effects out of the comparison, and only a test that
+passes on pristine can be a regression); a test that passes on pristine but not in the fork's rerun
+is a regression. Tests that fail on both (no GPU, a package the environment lacks) are counted and
+not the fork's doing. All runs use HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back
+at once instead of after retries, the same way on both sides.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def _start_unit_tests(root: Path, targets: list[str], junit: Path) -> subprocess
 @dataclasses.dataclass
 class SuiteComparison:
     fork: dict[str, str]  # the whole suite
-    fork_rerun: dict[str, str]  # the failed tests again, one process
-    pristine_rerun: dict[str, str]  # the same tests on pristine
+    pristine_rerun: dict[str, str]  # the tests that failed there, on pristine
+    fork_rerun: dict[str, str]  # those that pass on pristine, again on the fork
 
     @property
     def regressions(self) -> list[str]:
@@ -101,10 +103,11 @@ class SuiteComparison:
 
     @property
     def failing_on_both(self) -> list[str]:
+        """Failed in the fork's suite and on pristine."""
         return sorted(
             test_id
-            for test_id, outcome in self.fork_rerun.items()
-            if outcome == FAILED and self.pristine_rerun.get(test_id) == FAILED
+            for test_id, outcome in self.pristine_rerun.items()
+            if outcome == FAILED
         )
 
     def summary(self) -> str:
@@ -121,33 +124,41 @@ class SuiteComparison:
 
 
 def compare_with_pristine(fork_root: Path, pristine_root: Path) -> SuiteComparison:
-    """Run the fork's unit tests, then the failed ones again on the fork and on pristine."""
+    """Run the fork's unit tests, the failed ones on pristine, and those that pass there on
+    the fork again."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = {
             name: Path(tmp) / f"{name}.xml" for name in ("fork", "rerun", "pristine")
         }
         _start_unit_tests(fork_root, [UNIT_TESTS], junit["fork"]).wait()
         fork = _outcomes(junit["fork"])
-        targets = sorted(
-            {
-                target
-                for test_id, outcome in fork.items()
-                if outcome == FAILED
-                and (target := _rerun_target(fork_root, test_id)) is not None
-                and (pristine_root / target.split("::")[0]).is_file()
-            }
-        )
+        targets = _rerun_targets(fork, FAILED, fork_root, also_under=pristine_root)
         if not targets:
             return SuiteComparison(fork, {}, {})
-        reruns = [
-            _start_unit_tests(fork_root, targets, junit["rerun"]),
-            _start_unit_tests(pristine_root, targets, junit["pristine"]),
-        ]
-        for process in reruns:
-            process.wait()
-        return SuiteComparison(
-            fork, _outcomes(junit["rerun"]), _outcomes(junit["pristine"])
-        )
+        _start_unit_tests(pristine_root, targets, junit["pristine"]).wait()
+        pristine = _outcomes(junit["pristine"])
+        # where the fork lacks a test's file, it is missing there: a regression without a rerun
+        targets = _rerun_targets(pristine, OK, fork_root)
+        if not targets:
+            return SuiteComparison(fork, pristine, {})
+        _start_unit_tests(fork_root, targets, junit["rerun"]).wait()
+        return SuiteComparison(fork, pristine, _outcomes(junit["rerun"]))
+
+
+def _rerun_targets(
+    outcomes: dict[str, str], outcome: str, root: Path, also_under: Path | None = None
+) -> list[str]:
+    """What pytest takes to run the tests of `outcomes` that had `outcome` again under
+    `root` (and `also_under`, where that has their files too)."""
+    return sorted(
+        {
+            target
+            for test_id, had in outcomes.items()
+            if had == outcome
+            and (target := _rerun_target(root, test_id)) is not None
+            and (also_under is None or (also_under / target.split("::")[0]).is_file())
+        }
+    )
 
 
 def installed_fork_root(pin) -> Path:

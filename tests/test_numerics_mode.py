@@ -5,6 +5,7 @@ op by op by the series' own unit tests (python/sglang/multimodal_gen/test/unit/)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -36,9 +37,16 @@ def server_args(model: Path, **kwargs):
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
-def test_cli_help_lists_numerics(command):
-    result = run([str(SGLANG_CLI), command, "--help"])
-    assert "--numerics {default,train_parity}" in result.stdout
+def test_cli_help_lists_numerics(command, monkeypatch, capsys):
+    """The `sglang` command's main function in this process: a process of its own would spend
+    half a minute on imports (the script itself runs in
+    test_cli_refuses_a_family_without_a_contract and as the demo's servers)."""
+    from sglang.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["sglang", command, "--help"])
+    with contextlib.suppress(SystemExit):  # argparse exits after the help
+        main()
+    assert "--numerics {default,train_parity}" in capsys.readouterr().out
 
 
 def test_cli_numerics_reaches_server_args(tiny_model):

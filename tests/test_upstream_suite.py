@@ -5,17 +5,57 @@ tests/conftest.py starts when this test is collected, so that it runs beside the
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
+from forktools.upstream_suite import UNIT_TESTS, compare_with_pristine
 from tests.conftest import background_output
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_no_upstream_test_regresses(request):
     returncode, output = background_output(request.config, "upstream-suite")
     print(output)
     assert returncode == 0, output
     summary = re.search(r"^fork: (\d+) passed, .* regressions: 0$", output, re.M)
     assert summary and int(summary[1]) > 4000, output  # the whole suite ran
+
+
+def _unit_tests(root: Path, files: dict[str, str]) -> Path:
+    """A stand-in package tree holding `files` (name -> source) as its unit tests."""
+    tests = root / UNIT_TESTS
+    tests.mkdir(parents=True)
+    for name, text in files.items():
+        (tests / name).write_text(text)
+    return root
+
+
+def test_only_a_test_that_passes_on_pristine_can_regress(tmp_path):
+    """The comparison on two stand-in trees: failing on both is counted, failing (or not
+    importing) only on the fork is a regression, a test only the fork has is not compared."""
+    passes = "def test_{}():\n    pass\n".format
+    fails = "def test_{}():\n    assert False\n".format
+    pristine = _unit_tests(
+        tmp_path / "pristine",
+        {
+            "test_a.py": passes("ok") + fails("bad") + passes("broken"),
+            "test_b.py": passes("ok"),
+        },
+    )
+    fork = _unit_tests(
+        tmp_path / "fork",
+        {
+            "test_a.py": passes("ok") + fails("bad") + fails("broken"),
+            "test_b.py": "import not_a_module\n" + passes("ok"),
+            "test_new.py": fails("new"),
+        },
+    )
+    comparison = compare_with_pristine(fork, pristine)
+    module = UNIT_TESTS.replace("/", ".")
+    assert comparison.regressions == [
+        f"{module}.test_a::test_broken",
+        f"{module}.test_b::test_ok",
+    ]
+    assert comparison.failing_on_both == [f"{module}.test_a::test_bad"]
+    assert "regressions: 2" in comparison.summary()

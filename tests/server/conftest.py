@@ -1,5 +1,5 @@
 """One `--numerics train_parity` server on CPU for the tests of this package, started once and
-stopped when the package's tests are done (an idle CPU server's scheduler keeps a core busy)."""
+stopped when the package's tests are done."""
 
 from __future__ import annotations
 

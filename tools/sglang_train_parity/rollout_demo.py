@@ -167,7 +167,7 @@ def serve(
     `cpu_site_code` (what the family needs there), and for ``--numerics default`` the CPU
     kernels' (module docstring). `extra_args`: appended to the ``sglang serve`` command.
     The server uses the GPU where torch sees one: `device` only says which the caller
-    expects.
+    expects (and on "cpu" the server waits for requests instead of polling: --sleep-on-idle).
     """
     import requests
 
@@ -192,6 +192,8 @@ def serve(
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--master-port", str(_free_port())),
         *("--num-gpus", "1", "--warmup-mode", "off"),
+        # on the CPU an idle scheduler would spin a core that the client's recompute needs
+        *(["--sleep-on-idle"] if device == "cpu" else []),
         *extra_args,
     ]
     log_path = log_dir / f"server-{numerics}.log"
@@ -206,8 +208,9 @@ def serve(
         )
     _LIVE_SERVERS.add(process)
     server = Server(process, f"http://127.0.0.1:{port}", log_path)
-    # The idle server's worker spins on a core; several torch threads here would contend
-    # with it (a tiny-model recompute takes 30x longer on two cores). One is plenty.
+    # The server's processes share the cores (on the GPU its idle scheduler spins on one);
+    # several torch threads here would contend with them (a tiny-model recompute took 30x
+    # longer on two cores). One is plenty.
     client_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
