@@ -391,12 +391,16 @@ def _qk_reduction_lane_layout(rows: int, num_warps: int) -> dict[str, int]:
         {n: types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names},
         {"HEADS": 24, "ROWS": rows, "FUSE_REAL_SIN": True},
         attrs={
-            (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if "ptr" in n
+            (i,): [["tt.divisibility", 16]]
+            for i, n in enumerate(names)
+            if n.endswith("_ptr")
         },
     )
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    # the launch's options (qknorm_complex_rope_joint_)
+    options = dict(
+        num_warps=num_warps, enable_fp_fusion=False, enable_reflect_ftz=False
     )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ttgir = compiled.asm["ttgir"]
     # the sum's operand: [rows, 32], a slice of a 4-D blocked layout
     operand = re.search(
