@@ -223,6 +223,7 @@ def profile_step(step_fn, model, device: str, annotate: bool = True) -> dict:
             profiled_wall_ms = (time.perf_counter() - t0) * 1e3
     finally:
         annot.remove()
+    timeline = device_timeline(prof.events())
     events = prof.key_averages()
     fams: dict = defaultdict(float)
     kernels = []
@@ -286,7 +287,45 @@ def profile_step(step_fn, model, device: str, annotate: bool = True) -> dict:
         "contract_floor_ms": round(
             (fams.get("gemm", 0.0) + fams.get("attention (flash/sdpa)", 0.0)) / 1e3, 3
         ),
+        "device_timeline": timeline,
         "note": "one CFG step (two forwards); families from kernel names; module classes inclusive of their children",
+    }
+
+
+def device_timeline(events, top: int = 8) -> dict:
+    """Where the profiled step's wall time goes besides kernels: the span from the
+    first host op to the last device activity, the device's idle time inside
+    its own span (gaps between kernels), the time before its first activity
+    (host work, graph launch) and the largest gaps with their neighbours."""
+    device, host_starts = [], []
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            if end > start and not e.key.startswith("mod::"):
+                device.append((start, end, e.key))
+        else:
+            host_starts.append(start)
+    if not device:
+        return {}
+    device.sort()
+    gaps, busy_end = [], device[0][1]
+    for (_, _, prev), (start, end, name) in zip(device, device[1:]):
+        if start > busy_end:
+            gaps.append((start - busy_end, prev, name))
+        busy_end = max(busy_end, end)
+    gaps.sort(reverse=True)
+    idle = sum(g for g, _, _ in gaps)
+    first = device[0][0]
+    return {
+        "host_lead_ms": round((first - min(host_starts, default=first)) / 1e3, 3),
+        "device_span_ms": round((busy_end - first) / 1e3, 3),
+        "device_idle_in_span_ms": round(idle / 1e3, 3),
+        "gaps": len(gaps),
+        "gaps_over_10us_ms": round(sum(g for g, _, _ in gaps if g > 10) / 1e3, 3),
+        "largest_gaps": [
+            {"us": round(g, 1), "after": a[:80], "before": b[:80]}
+            for g, a, b in gaps[:top]
+        ],
     }
 
 
@@ -1138,6 +1177,14 @@ def main() -> int:
             f"{e.get('peak_gib')!s:>9s} {p.get('kernel_time_ms')!s:>9s} {p.get('kernel_launches')!s:>9s} "
             f"{e.get('contract_floor_ms')!s:>9s} {e.get('wall_over_contract_floor')!s:>7s}  {e.get('round_medians_ms')}"
         )
+    for k, e in v.items():
+        t = (e.get("profile") or {}).get("device_timeline")
+        if t:
+            print(
+                f"{k:19s} host lead {t['host_lead_ms']} ms, device span {t['device_span_ms']} ms, "
+                f"idle in span {t['device_idle_in_span_ms']} ms over {t['gaps']} gaps "
+                f"({t['gaps_over_10us_ms']} ms in gaps over 10 us)"
+            )
     for k, e in v.items():
         for shape, x in (e.get("extra_shapes") or {}).items():
             p = x.get("profile") or {}
