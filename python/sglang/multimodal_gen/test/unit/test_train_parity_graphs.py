@@ -11,6 +11,8 @@ from torch.utils._pytree import tree_flatten
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
+from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
+from sglang.multimodal_gen.runtime.layers.lora.linear import wrap_with_lora_layer
 from sglang.multimodal_gen.runtime.models.dits.qwen_image import (
     QwenImageTransformer2DModel,
 )
@@ -77,6 +79,53 @@ def test_calls_a_graph_cannot_replay_run_eagerly():
         assert graphs._key([1], spec, {}) is not None
     assert graphs._key([1], spec, {}) is None  # autograd on
     assert graphs._state() is None  # parameters on the CPU
+
+
+def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
+    # on the CPU, as if on the GPU: the state is read the same way
+    monkeypatch.setattr(train_parity_graphs, "_on_gpu", lambda tensors: True)
+    dit = _tiny_dit("cpu")
+    attn = dit.transformer_blocks[1].attn
+    attn.add_module("extra", wrap_with_lora_layer(ReplicatedLinear(8, 8)))
+    tree = train_parity_graphs._ModuleTreeState(dit)
+    state = tree.read()
+    assert tree.read() == state
+    # in-place updates are what a graph replays
+    attn.to_q.weight.data.mul_(2)
+    assert tree.read() == state
+
+    def changes(update, undo):
+        update()
+        changed = tree.read() != state
+        undo()
+        return changed and tree.read() == state
+
+    weight = attn.to_q.weight
+    storage = weight.data
+    assert changes(
+        lambda: setattr(weight, "data", storage.clone()),
+        lambda: setattr(weight, "data", storage),
+    )
+    params = attn.to_q._parameters
+    assert changes(
+        lambda: params.update(weight=torch.nn.Parameter(storage.clone())),
+        lambda: params.update(weight=weight),
+    )
+    # a module deep in the tree replaced, with the same parameters
+    norm = attn.norm_q
+    assert changes(
+        lambda: setattr(attn, "norm_q", torch.nn.Sequential(norm)),
+        lambda: setattr(attn, "norm_q", norm),
+    )
+    lora = attn.extra
+    assert changes(
+        lambda: setattr(lora, "disable_lora", not lora.disable_lora),
+        lambda: setattr(lora, "disable_lora", not lora.disable_lora),
+    )
+    handle = norm.register_forward_pre_hook(lambda *args: None)
+    assert tree.read() is None
+    handle.remove()
+    assert tree.read() == state
 
 
 @needs_cuda

@@ -28,10 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.diffusion.common.dependent_launch import (
-    dependent_launch_options,
-    wait_for_prior_kernel,
-)
 from sglang.kernels.ops.diffusion.gemm.lora_b_scale_add_triton import (
     _MAX_RANK,
     _RANK_STEP,
@@ -81,9 +77,7 @@ def _linear_lora_kernel(
     GROUP_M: tl.constexpr,
     EPILOGUE_PARTS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
-    wait_for_prior_kernel(USE_GDC)
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     group_tiles = GROUP_M * tiles_n
@@ -257,6 +251,5 @@ def linear_lora_bf16(
             num_stages=stages,
             num_warps=warps,
             enable_fp_fusion=False,
-            **dependent_launch_options(x.device),
         )
     return out

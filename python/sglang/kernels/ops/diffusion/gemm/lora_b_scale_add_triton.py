@@ -30,11 +30,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from sglang.kernels.ops.diffusion.common.dependent_launch import (
-    dependent_launch_options,
-    wait_for_prior_kernel,
-)
-
 _RANK_STEP = 16
 _MAX_RANK = 128
 
@@ -60,9 +55,7 @@ def _lora_b_scale_add_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
-    wait_for_prior_kernel(USE_GDC)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -158,6 +151,5 @@ def lora_b_scale_add_bf16(
             BLOCK_K=block_k,
             num_warps=num_warps,
             enable_fp_fusion=False,
-            **dependent_launch_options(base.device),
         )
     return out

@@ -15,11 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.diffusion.common.dependent_launch import (
-    dependent_launch_options,
-    wait_for_prior_kernel,
-)
-
 _BLOCK = 1024
 
 
@@ -34,9 +29,7 @@ def _add_product_kernel(
     c_row_stride,
     BLOCK: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
-    wait_for_prior_kernel(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -91,6 +84,5 @@ def residual_gate_add_bf16(
             ROUND_PRODUCT=gate.dtype == torch.bfloat16,
             num_warps=4,
             enable_fp_fusion=False,
-            **dependent_launch_options(residual.device),
         )
     return out

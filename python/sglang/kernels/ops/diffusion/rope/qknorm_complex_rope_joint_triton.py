@@ -39,10 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.diffusion.common.dependent_launch import (
-    dependent_launch_options,
-    wait_for_prior_kernel,
-)
 from sglang.kernels.ops.diffusion.rope.complex_rope_triton import _fuse_real_sin
 
 _HEAD_DIM = 128
@@ -104,9 +100,7 @@ def _qknorm_complex_rope_joint_kernel(
     HEADS: tl.constexpr,
     ROWS: tl.constexpr,
     FUSE_REAL_SIN: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
 ):
-    wait_for_prior_kernel(USE_GDC)
     if tl.program_id(1) == 0:
         x_ptr, weight_ptr, out_ptr = q_ptr, q_weight_ptr, q_out_ptr
     else:
@@ -218,5 +212,4 @@ def qknorm_complex_rope_joint_(
             num_warps=rows,
             enable_fp_fusion=False,
             enable_reflect_ftz=False,
-            **dependent_launch_options(q.device),
         )
