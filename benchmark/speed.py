@@ -1061,6 +1061,14 @@ def main() -> int:
             t1 = time.monotonic()
             entry.update(timed(step, args))
             entry["warmup_and_timing_s"] = round(time.monotonic() - t1, 1)
+            if entry.get("cuda_graphs"):
+                # the host work each replayed forward waits for: reading the DiT's state
+                reads = []
+                for _ in range(10):
+                    t2 = time.perf_counter()
+                    model.forward._state()
+                    reads.append((time.perf_counter() - t2) * 1e3)
+                entry["graph_state_read_ms"] = round(statistics.median(reads), 3)
             if args.device == "cuda":
                 # peak while stepping (weights + activations), build transients excluded
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -1183,7 +1191,8 @@ def main() -> int:
             print(
                 f"{k:19s} host lead {t['host_lead_ms']} ms, device span {t['device_span_ms']} ms, "
                 f"idle in span {t['device_idle_in_span_ms']} ms over {t['gaps']} gaps "
-                f"({t['gaps_over_10us_ms']} ms in gaps over 10 us)"
+                f"({t['gaps_over_10us_ms']} ms in gaps over 10 us), "
+                f"graph state read {e.get('graph_state_read_ms')} ms"
             )
     for k, e in v.items():
         for shape, x in (e.get("extra_shapes") or {}).items():
