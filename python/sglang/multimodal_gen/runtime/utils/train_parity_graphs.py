@@ -11,11 +11,12 @@ fused kernels check themselves against their eager chains).
 A graph holds the addresses of the DiT's parameters and buffers and the
 Python state its forward branched on. Before every call the DiT's state is
 read again (its module tree, parameter and buffer storage, each LoRA layer's
-enabled and merged flags, the runtime LoRA scale); when any of it has changed, as after
-a weight or adapter update, every graph is dropped and captured anew. Calls
-a graph cannot replay exactly run eagerly: with autograd on, with module
-hooks installed, with tensors that are not contiguous CUDA tensors, or with
-inputs the DiT's ``train_parity_graph_replayable`` refuses.
+enabled and merged flags, the runtime LoRA scale); when any of it has
+changed, as after a weight or adapter update, every graph is dropped and
+captured anew. Calls a graph cannot replay exactly run eagerly: with
+autograd on, with module hooks installed, with tensors that are not
+contiguous CUDA tensors, or with inputs the DiT's
+``train_parity_graph_replayable`` refuses.
 
 ``SGLANG_TRAIN_PARITY_CUDA_GRAPH=0`` turns it off.
 """
