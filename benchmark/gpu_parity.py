@@ -214,7 +214,9 @@ def compare_case(
     )
     handles = hook_modules(model, comparator)
     try:
-        results = family.sglang_forward(model, inputs, device)
+        # the comparator sees every module; recording only the named outputs leaves the LoRA
+        # base layers unhooked, so that their GEMMs run in the kernel that adds the update
+        results = family.sglang_forward(model, inputs, device, record=outputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -227,7 +229,7 @@ def compare_case(
     del ref_outputs
     for name, control in controls.items():
         with control():
-            theirs = family.sglang_forward(model, inputs, device)[""]
+            theirs = family.sglang_forward(model, inputs, device, record=())[""]
         summary[f"control {name}: root_equal"] = torch.equal(theirs, out)
         summary[f"control {name}: root_max_ulp"] = ulp_distance(theirs, out)
     return summary

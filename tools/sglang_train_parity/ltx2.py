@@ -268,16 +268,17 @@ def reference_forward(
 
 
 def sglang_forward(
-    model: nn.Module, inputs: LTX2DiTInputs, device: str = "cpu"
+    model: nn.Module, inputs: LTX2DiTInputs, device: str = "cpu", record=None
 ) -> dict[str, torch.Tensor]:
     """sglang's LTX-2 DiT called as the denoising stage calls it under train_parity (bf16 latents,
-    no audio-video cross-attention), every module's output recorded by name ("" = the video
-    output, "audio" = the audio output)."""
+    no audio-video cross-attention), every module's output (or those named in `record`) recorded
+    by name ("" = the video output, "audio" = the audio output)."""
     from sglang_train_parity.sglang_dit import recorded_call
 
     frames, height, width = inputs.grid
     outputs = recorded_call(
         model,
+        record,
         hidden_states=inputs.latents.to(device, torch.bfloat16),
         audio_hidden_states=inputs.audio_latents.to(device, torch.bfloat16),
         encoder_hidden_states=inputs.text.to(device),

@@ -188,15 +188,17 @@ def sglang_layouts(inputs: QwenImage21DiTInputs, axes_dims, device) -> list[dict
 
 
 def sglang_forward(
-    model: nn.Module, inputs: QwenImage21DiTInputs, device: str = "cpu"
+    model: nn.Module, inputs: QwenImage21DiTInputs, device: str = "cpu", record=None
 ) -> dict[str, torch.Tensor]:
     """sglang's Qwen-Image 2.1 DiT called as its denoising stage calls it (bf16 latents, no
-    prefix cache), every module's output recorded by name ("" = the output)."""
+    prefix cache), every module's output (or those named in `record`) recorded by name ("" =
+    the output)."""
     from sglang_train_parity.sglang_dit import recorded_call
 
     layouts = sglang_layouts(inputs, model.config.axes_dims_rope, torch.device(device))
     return recorded_call(
         model,
+        record,
         hidden_states=inputs.latents.to(device, torch.bfloat16),
         encoder_hidden_states=inputs.text.to(device),
         timestep=inputs.timestep.to(device),

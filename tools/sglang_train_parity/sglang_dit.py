@@ -122,8 +122,9 @@ def push_lora(
         )
 
 
-def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
-    """Forward hooks storing each module's first output tensor, by module name ("" = root)."""
+def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor], names=None) -> list:
+    """Forward hooks storing each module's first output tensor, by module name ("" = root);
+    only the modules in `names` when given."""
 
     def record(name):
         def hook(module, args, out):
@@ -133,18 +134,24 @@ def record_outputs(model: nn.Module, outputs: dict[str, torch.Tensor]) -> list:
 
         return hook
 
-    return [m.register_forward_hook(record(n)) for n, m in model.named_modules()]
+    return [
+        m.register_forward_hook(record(n))
+        for n, m in model.named_modules()
+        if names is None or n in names
+    ]
 
 
-def recorded_call(model: nn.Module, **call_kwargs) -> dict[str, torch.Tensor]:
+def recorded_call(model: nn.Module, record=None, **call_kwargs) -> dict[str, torch.Tensor]:
     """`model(**call_kwargs)` as a denoising stage calls a DiT (no autograd, in a forward
-    context), every module's output recorded by name ("" = the output)."""
+    context), every module's output recorded by name ("" = the output); only the modules named
+    in `record` when given (a hook can change a module's path: a LoRA base layer with a hook
+    keeps its GEMM out of the kernel that adds the update)."""
     from sglang.multimodal_gen.runtime.managers.forward_context import (
         set_forward_context,
     )
 
     outputs: dict[str, torch.Tensor] = {}
-    handles = record_outputs(model, outputs)
+    handles = record_outputs(model, outputs, record)
     try:
         with torch.no_grad(), set_forward_context(
             current_timestep=0, attn_metadata=None, forward_batch=None

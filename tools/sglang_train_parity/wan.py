@@ -127,14 +127,15 @@ def reference_forward(
 
 
 def sglang_forward(
-    model: nn.Module, inputs: WanDiTInputs, device: str = "cpu"
+    model: nn.Module, inputs: WanDiTInputs, device: str = "cpu", record=None
 ) -> dict[str, torch.Tensor]:
     """sglang's Wan DiT called as the denoising stage calls it (bf16 latents), every module's
-    output recorded by name ("" = the output)."""
+    output (or those named in `record`) recorded by name ("" = the output)."""
     from sglang_train_parity.sglang_dit import recorded_call
 
     return recorded_call(
         model,
+        record,
         hidden_states=inputs.latents.to(device, torch.bfloat16),
         encoder_hidden_states=inputs.text.to(device),
         timestep=inputs.timestep.to(device),
