@@ -92,7 +92,8 @@ if wants kernels; then
 from benchmark import gpu_standins; gpu_standins.install()
 import pytest; sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-c", "/dev/null", "--rootdir", "/tmp", *sys.argv[1:]]))' \
         "$site/multimodal_gen/test/unit/test_train_parity_kernels.py" \
-        "$site/multimodal_gen/test/unit/test_train_parity_graphs.py" >"$OUT/kernels_unit.log" 2>&1
+        "$site/multimodal_gen/test/unit/test_train_parity_graphs.py" \
+        "$site/multimodal_gen/test/unit/test_side_stream.py" >"$OUT/kernels_unit.log" 2>&1
     krc=$?
     echo "kernel unit tests exit $krc"; rc=$((rc | krc))
     tail -3 "$OUT/kernels_unit.log"

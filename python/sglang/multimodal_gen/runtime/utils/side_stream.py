@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A second CUDA stream for work that can overlap the current stream's.
+
+A kernel computes the same bits on any stream, so moving independent work to
+a second stream changes when it runs, never what it computes. Under CUDA-graph
+capture the two streams become two branches of the graph, joined where one
+hands a tensor to the other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    # High priority: the current stream waits on this one's results, so its
+    # short kernels should not queue behind the current stream's long ones.
+    return torch.cuda.Stream(device, priority=-1)
+
+
+class SideStream:
+    """``with side:`` issues work onto the side stream. ``to_main`` makes the
+    current stream wait for the work issued there so far, ``to_side`` the
+    reverse; both record the tensors they hand over on the receiving stream,
+    so the caching allocator does not reuse their memory before the receiver's
+    kernels ran. Off CUDA, or with ``overlap=False``, every call is a no-op
+    and the work runs in issue order on the current stream.
+    """
+
+    def __init__(
+        self, device: torch.device, *inputs: torch.Tensor, overlap: bool = True
+    ) -> None:
+        self.enabled = overlap and device.type == "cuda"
+        if self.enabled:
+            self.main = torch.cuda.current_stream(device)
+            self.side = _side_stream(device)
+            self.to_side(*inputs)
+        self._contexts: list[torch.cuda.StreamContext] = []
+
+    def __enter__(self) -> SideStream:
+        if self.enabled:
+            self._contexts.append(torch.cuda.stream(self.side))
+            self._contexts[-1].__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.enabled:
+            self._contexts.pop().__exit__(*exc_info)
+
+    def to_main(self, *tensors: torch.Tensor) -> None:
+        if self.enabled:
+            self._hand_over(self.side, self.main, tensors)
+
+    def to_side(self, *tensors: torch.Tensor) -> None:
+        if self.enabled:
+            self._hand_over(self.main, self.side, tensors)
+
+    def join(self) -> None:
+        """The current stream waits for everything issued on the side stream."""
+        if self.enabled:
+            self.main.wait_stream(self.side)
+
+    @staticmethod
+    def _hand_over(
+        sender: torch.cuda.Stream,
+        receiver: torch.cuda.Stream,
+        tensors: tuple[torch.Tensor, ...],
+    ) -> None:
+        receiver.wait_stream(sender)
+        for tensor in tensors:
+            tensor.record_stream(receiver)
