@@ -297,12 +297,15 @@ def device_timeline(events, top: int = 8) -> dict:
     first host op to the last device activity, the device's idle time inside
     its own span (gaps between kernels), the time before its first activity
     (host work, graph launch) and the largest gaps with their neighbours."""
-    device, host_starts = [], []
+    device, host_starts, by_stream = [], [], {}
     for e in events:
         start, end = e.time_range.start, e.time_range.end
         if str(getattr(e, "device_type", "")).endswith("CUDA"):
             if end > start and not e.key.startswith("mod::"):
                 device.append((start, end, e.key))
+                by_stream.setdefault(getattr(e, "device_resource_id", None), []).append(
+                    (start, end, e.key)
+                )
         else:
             host_starts.append(start)
     if not device:
@@ -325,6 +328,28 @@ def device_timeline(events, top: int = 8) -> dict:
         "largest_gaps": [
             {"us": round(g, 1), "after": a[:80], "before": b[:80]}
             for g, a, b in gaps[:top]
+        ],
+        "streams": [stream_busy(str(s), k) for s, k in by_stream.items()],
+    }
+
+
+def stream_busy(stream: str, kernels: list[tuple], top: int = 10) -> dict:
+    """One stream's busy time (kernels may overlap other streams', not their own) and
+    its kernels by total time: with a second stream, what the first one's critical path
+    is made of."""
+    per_name: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        entry = per_name.setdefault(name, [0.0, 0])
+        entry[0] += end - start
+        entry[1] += 1
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    return {
+        "stream": stream,
+        "busy_ms": round(sum(end - start for start, end, _ in kernels) / 1e3, 3),
+        "kernels": len(kernels),
+        "top": [
+            {"ms": round(us / 1e3, 3), "calls": n, "name": name[:90]}
+            for name, (us, n) in ranked[:top]
         ],
     }
 
@@ -1194,6 +1219,11 @@ def main() -> int:
                 f"({t['gaps_over_10us_ms']} ms in gaps over 10 us), "
                 f"graph state read {e.get('graph_state_read_ms')} ms"
             )
+            for st in t.get("streams", []):
+                print(
+                    f"{'':19s} stream {st['stream']}: busy {st['busy_ms']} ms in {st['kernels']} kernels; "
+                    + ", ".join(f"{x['name'][:40]} {x['ms']}" for x in st["top"][:6])
+                )
     for k, e in v.items():
         for shape, x in (e.get("extra_shapes") or {}).items():
             p = x.get("profile") or {}
