@@ -150,6 +150,9 @@ class ExactShapeGraphs:
         if state != self.state:
             self.graphs.clear()
             self.seen.clear()
+            # a pool whose graphs are all gone cannot take another capture
+            # (the caching allocator asserts on its use count)
+            self.pool = None
             self.state = state
         if key not in self.graphs:
             if key not in self.seen:

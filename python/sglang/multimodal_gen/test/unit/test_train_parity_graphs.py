@@ -166,3 +166,13 @@ def test_replays_equal_the_eager_forward_bitwise():
         handle = dit.proj_out.register_forward_hook(lambda *args: None)
         assert graphs._state() is None
         handle.remove()
+        # an update that drops every graph with none of them kept alive, as in a
+        # server between rollouts: the next capture still succeeds and replays
+        del stale
+        for scale in (2.0, 0.5):
+            weight.data = weight.data * scale
+            for _ in range(2):
+                assert torch.equal(dit(**inputs), eager_forward(**inputs))
+            assert [type(g) for g in graphs.graphs.values()] == [
+                train_parity_graphs._Graph
+            ]
