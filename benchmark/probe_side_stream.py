@@ -77,8 +77,8 @@ def main() -> int:
             for key, value in originals.items():
                 setattr(*key, patches.get(key, value))
             if graphs is not None:
-                graphs.graphs.clear()
-                graphs.seen.clear()
+                # as after an update: the next call drops every graph
+                graphs.state = None
             # first sight eager, second capture: then replays
             for i in range(3):
                 step(i)

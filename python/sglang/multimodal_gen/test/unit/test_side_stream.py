@@ -12,10 +12,7 @@ import torch
 from sglang.multimodal_gen.runtime.models.dits import qwen_image
 from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 from sglang.multimodal_gen.runtime.utils.side_stream import SideStream
-from sglang.multimodal_gen.test.unit.test_train_parity_graphs import (
-    _inputs,
-    _tiny_dit,
-)
+from sglang.multimodal_gen.test.unit.test_train_parity_graphs import _inputs, _tiny_dit
 
 pytestmark = pytest.mark.usefixtures("single_process_model_parallel")
 needs_cuda = pytest.mark.skipif(
