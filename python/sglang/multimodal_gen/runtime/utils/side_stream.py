@@ -12,6 +12,21 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether forward hooks run around ``module``: they may move its weights
+    on another stream and order only the current stream after that (layerwise
+    offload, FSDP), so work on a side stream must be fenced by the current
+    stream at the module's start and end."""
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or nn_module._global_forward_pre_hooks
+        or nn_module._global_forward_hooks
+    )
 
 
 @functools.cache

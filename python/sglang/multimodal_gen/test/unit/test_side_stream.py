@@ -2,7 +2,8 @@
 """SideStream: a hand-over orders the sender's work before the receiver's and
 keeps the handed tensors' memory from early reuse; the Qwen-Image train_parity
 DiT computes the same bits with its text stream on a side stream as on one
-stream, eagerly and replayed from a CUDA graph."""
+stream, eagerly and replayed from a CUDA graph, and a block with forward hooks
+fences the side stream with the current one."""
 
 import functools
 
@@ -95,3 +96,33 @@ def test_the_text_stream_on_a_side_stream_computes_the_same_bits(monkeypatch):
         replayed = [dit(**x) for x in inputs for _ in range(2)][1::2]
     for outputs in (two_streams, replayed):
         assert all(map(torch.equal, outputs, one_stream))
+
+
+@needs_cuda
+def test_a_block_with_forward_hooks_fences_the_side_stream(monkeypatch):
+    # a pre-forward hook that writes the block's text modulation weight late on
+    # the current stream, as a weight prefetch the current stream waits for
+    dit = _tiny_dit("cuda")
+    block = dit.transformer_blocks[0]
+    weight = block.txt_mod[1].weight
+    old, new = weight.detach().clone(), weight.detach() * 2
+
+    def prefetch(*args):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        weight.data.copy_(new)
+
+    def forward(start_with: torch.Tensor) -> torch.Tensor:
+        weight.data.copy_(start_with)
+        torch.cuda.synchronize()
+        # fresh inputs: no modulation cached from an earlier call
+        return dit(**_inputs(dit, "cuda", 0))
+
+    with torch.no_grad():
+        expected = forward(new)
+        block.register_forward_pre_hook(prefetch)
+        fenced = forward(old)
+        monkeypatch.setattr(qwen_image, "has_forward_hooks", lambda module: False)
+        unfenced = forward(old)
+    assert torch.equal(fenced, expected)
+    # control: unfenced, the side stream reads the weight before the hook wrote it
+    assert not torch.equal(unfenced, expected)
