@@ -15,8 +15,10 @@ recomputes every step with diffusers + PEFT under CUDA's autocast policy (emulat
 the rollout's fingerprints against the recompute. The same loop against a ``--numerics default``
 server shows the difference train_parity removes: its fingerprints differ, and the same rollout
 requested again with its debug tensors shows by how much (a Wan default server gets the bf16
-copies: upstream's Wan LoRA forward fails on fp32 adapters). The helpers here (server, push,
-rollout, recompute) are also the tests' client.
+copies: upstream's Wan LoRA forward fails on fp32 adapters). On the CPU the default server
+starts together with the train_parity one (its start-up, mostly imports, runs on another core
+while train_parity's is checked); on the GPU or with ``--port``, one after the other. The
+helpers here (server, push, rollout, recompute) are also the tests' client.
 
 Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no installable package
 provides. To run a ``--numerics default`` server on CPU (as this demo does), put a directory on
@@ -1091,7 +1093,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--port",
         type=int,
-        help="server port (it also binds PORT+1); default: a free one",
+        help="server port (it also binds PORT+1; the two servers then run one after the "
+        "other); default: a free one each",
     )
     parser.add_argument(
         "--server-site",
