@@ -39,6 +39,16 @@ def pristine_package(upstream_wheel, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory) -> Path:
+    """The tiny Qwen-Image pipeline (sglang_train_parity.tiny_model), built once for every
+    test that reads it (none writes to it). sglang recognises the family from the folder name
+    (and model_index.json)."""
+    from sglang_train_parity.tiny_model import build_tiny_qwen_image
+
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+
+
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run a command, failing the test with its output if it fails."""
     result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
 from tests.conftest import run
 
@@ -23,8 +22,8 @@ SGLANG_CLI = Path(sys.executable).parent / "sglang"
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image"))
+def tiny_model(tiny_qwen_image) -> Path:
+    return tiny_qwen_image
 
 
 def server_args(model: Path, **kwargs):

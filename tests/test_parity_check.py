@@ -20,10 +20,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from sglang_train_parity.tiny_model import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+def tiny_model(tiny_qwen_image) -> Path:
+    return tiny_qwen_image
 
 
 def parity_check(*args: str) -> subprocess.CompletedProcess:

@@ -22,11 +22,7 @@ from sglang_train_parity.reference import (
     reference_forward,
     sglang_to_diffusers,
 )
-from sglang_train_parity.tiny_model import (
-    DIT_CONFIG,
-    build_tiny_qwen_image,
-    random_transformer,
-)
+from sglang_train_parity.tiny_model import DIT_CONFIG, random_transformer
 
 REPO = Path(__file__).resolve().parent.parent
 RANK, ALPHA = 8, 12.0  # s = 1.5: the x s step rounds (s = 2 would be exact)
@@ -126,9 +122,9 @@ def run_sglang_dit(model_dir: Path, out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sglang_run(tmp_path_factory):
+def sglang_run(tmp_path_factory, tiny_qwen_image):
     tmp = tmp_path_factory.mktemp("sglang_dit")
-    model_dir = build_tiny_qwen_image(tmp / "tiny-qwen-image")
+    model_dir = tiny_qwen_image
     out = tmp / "sglang.pt"
     code = (
         "import sys; from pathlib import Path; "

@@ -36,10 +36,8 @@ EXPLANATION_LINE = re.compile(
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from sglang_train_parity.tiny_model import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("model") / "tiny-qwen-image")
+def model_dir(tiny_qwen_image):
+    return tiny_qwen_image
 
 
 @pytest.fixture(scope="module")

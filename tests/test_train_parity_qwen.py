@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_train_parity.tiny_model import build_tiny_qwen_image
 
 from tests.conftest import run
 
@@ -19,9 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    # sglang recognises the model family from the folder name (and model_index.json)
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("parity") / "tiny-qwen-image")
+def tiny_model(tiny_qwen_image) -> Path:
+    return tiny_qwen_image
 
 
 def parity_run(model: Path, out: Path, *args: str) -> list[dict]:

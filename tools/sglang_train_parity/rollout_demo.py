@@ -15,8 +15,10 @@ recomputes every step with diffusers + PEFT under CUDA's autocast policy (emulat
 the rollout's fingerprints against the recompute. The same loop against a ``--numerics default``
 server shows the difference train_parity removes: its fingerprints differ, and the same rollout
 requested again with its debug tensors shows by how much (a Wan default server gets the bf16
-copies: upstream's Wan LoRA forward fails on fp32 adapters). The helpers here (server, push,
-rollout, recompute) are also the tests' client.
+copies: upstream's Wan LoRA forward fails on fp32 adapters). On the CPU the default server
+starts together with the train_parity one (its start-up, mostly imports, runs on another core
+while train_parity's is checked); on the GPU or with ``--port``, one after the other. The
+helpers here (server, push, rollout, recompute) are also the tests' client.
 
 Upstream's default numerics calls three sgl_kernel CPU ops on CPU that no installable package
 provides. To run a ``--numerics default`` server on CPU (as this demo does), put a directory on
@@ -47,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -129,10 +131,18 @@ def _free_port() -> int:
 class Server:
     """A ``sglang serve`` process group on loopback; `url` once healthy."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path):
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        url: str,
+        log_path: Path,
+        numerics: str = "train_parity",
+    ):
         self.process = process
         self.url = url
         self.log_path = log_path
+        self.numerics = numerics
+        self.started_at = time.monotonic()
 
     def post(self, path: str, timeout: float = REQUEST_TIMEOUT_S, **body):
         import requests
@@ -151,6 +161,22 @@ def serve(
     log_dir: Path,
     port: int | None = None,
     start_timeout: float = SERVER_START_TIMEOUT_S,
+    **options: Any,
+) -> Iterator[Server]:
+    """Start the server in its own process group, wait until healthy, and kill the whole
+    group on exit, whatever happens (its workers are subprocesses). `options`: those of
+    `started_server`."""
+    with started_server(model_dir, numerics, log_dir, port, **options) as server:
+        wait_until_healthy(server, start_timeout)
+        yield server
+
+
+@contextmanager
+def started_server(
+    model_dir: Path,
+    numerics: str,
+    log_dir: Path,
+    port: int | None = None,
     *,
     model_id: str = "Qwen-Image",
     device: str = "cpu",
@@ -158,8 +184,8 @@ def serve(
     cpu_site_code: str = "",
     extra_args: tuple[str, ...] | list[str] = (),
 ) -> Iterator[Server]:
-    """Start the server in its own process group, wait until healthy, and kill the whole
-    group on exit, whatever happens (its workers are subprocesses).
+    """The server started in its own process group, not waited for (`wait_until_healthy`);
+    the whole group killed on exit, whatever happens (its workers are subprocesses).
 
     `model_id`: sglang's model id for `model_dir` (which pipeline serves it). `site_dir`: a
     folder holding a ``sitecustomize.py``, put first on the server's PYTHONPATH (every server
@@ -169,8 +195,6 @@ def serve(
     The server uses the GPU where torch sees one: `device` only says which the caller
     expects (and on "cpu" the server waits for requests instead of polling: --sleep-on-idle).
     """
-    import requests
-
     port = port or _free_port_pair()
     env = dict(os.environ)
     site_code = cpu_site_code if device == "cpu" else ""
@@ -207,36 +231,45 @@ def serve(
             start_new_session=True,
         )
     _LIVE_SERVERS.add(process)
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    server = Server(process, f"http://127.0.0.1:{port}", log_path, numerics)
     # The server's processes share the cores (on the GPU its idle scheduler spins on one);
     # several torch threads here would contend with them (a tiny-model recompute took 30x
     # longer on two cores). One is plenty.
     client_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the {numerics} server exited with status {process.returncode}; "
-                    f"log {log_path}:\n{server.log_tail()}"
-                )
-            try:
-                if requests.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the {numerics} server was not healthy after {start_timeout:.0f} s; "
-                    f"log {log_path}:\n{server.log_tail()}"
-                )
-            time.sleep(0.5)
         yield server
     finally:
         _stop(process)
         _LIVE_SERVERS.discard(process)
         torch.set_num_threads(client_threads)
+
+
+def wait_until_healthy(
+    server: Server, start_timeout: float = SERVER_START_TIMEOUT_S
+) -> None:
+    """Wait up to `start_timeout` seconds from now for `server` to answer /health; raises
+    with its log's tail if it exits or does not answer in time."""
+    import requests
+
+    deadline = time.monotonic() + start_timeout
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"the {server.numerics} server exited with status "
+                f"{server.process.returncode}; log {server.log_path}:\n{server.log_tail()}"
+            )
+        try:
+            if requests.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the {server.numerics} server was not healthy after {start_timeout:.0f} "
+                f"s; log {server.log_path}:\n{server.log_tail()}"
+            )
+        time.sleep(0.5)
 
 
 def _sglang_command() -> list[str]:
@@ -846,26 +879,51 @@ def _route(experts_by_step: Mapping[int, str]) -> str:
     )
 
 
-def _run_mode(
+def _start_server(
     numerics: str,
     args: argparse.Namespace,
     demo: Demo,
-    adapters: list[dict[str, dict[str, torch.Tensor]]],
     log_dir: Path,
-) -> list[UpdateResult]:
-    device = args.device
+    stack: ExitStack,
+) -> Server:
+    """The `numerics` server of the demo, started (not yet healthy) and stopped when `stack`
+    closes, whatever happens."""
     _log(
-        f"[{numerics}] starting sglang serve --numerics {numerics} on {device.upper()} ..."
+        f"[{numerics}] starting sglang serve --numerics {numerics} on "
+        f"{args.device.upper()} ..."
     )
-    started = time.monotonic()
-    results = []
-    step_diffs = args.step_diffs.setdefault(numerics, [])
-    step_experts = args.step_experts.setdefault(numerics, [])
     extra_args = list(args.server_arg or [])
     if numerics == "default":
         extra_args += args.default_server_arg or []
     if extra_args:
         _log(f"[{numerics}] extra server arguments: {' '.join(extra_args)}")
+    return stack.enter_context(
+        started_server(
+            demo.model_dir,
+            numerics,
+            log_dir,
+            port=args.port,
+            model_id=args.model_id,
+            device=args.device,
+            site_dir=args.server_site,
+            cpu_site_code=demo.cpu_site_code,
+            extra_args=extra_args,
+        )
+    )
+
+
+def _run_mode(
+    server: Server,
+    args: argparse.Namespace,
+    demo: Demo,
+    adapters: list[dict[str, dict[str, torch.Tensor]]],
+) -> list[UpdateResult]:
+    """Every update against `server` (started by `_start_server`), which is stopped at the
+    end, whatever happens."""
+    numerics, device = server.numerics, args.device
+    results = []
+    step_diffs = args.step_diffs.setdefault(numerics, [])
+    step_experts = args.step_experts.setdefault(numerics, [])
     dtypes = _mode_push_dtypes(args, demo, numerics)
     if dtypes != _push_dtype_names(args):
         _log(
@@ -873,20 +931,11 @@ def _run_mode(
             f"--push-dtypes says: with fp32 ones, upstream's {args.model_id} LoRA forward "
             "fails (its LoRA GEMM mixes them with bf16 activations)"
         )
-    with serve(
-        demo.model_dir,
-        numerics,
-        log_dir,
-        port=args.port,
-        model_id=args.model_id,
-        device=device,
-        site_dir=args.server_site,
-        cpu_site_code=demo.cpu_site_code,
-        extra_args=extra_args,
-    ) as server:
+    try:
+        wait_until_healthy(server)
         _log(
             f"[{numerics}] server healthy at {server.url} after "
-            f"{time.monotonic() - started:.0f} s"
+            f"{time.monotonic() - server.started_at:.0f} s"
         )
         for update, update_adapters in enumerate(adapters, 1):
             t0 = time.monotonic()
@@ -925,6 +974,9 @@ def _run_mode(
             results.append((max_diff, mean_diff, same_policy, verdict))
             step_diffs.append(steps)
             step_experts.append([experts[step] for step in sorted(experts)])
+    finally:
+        _stop(server.process)
+        _LIVE_SERVERS.discard(server.process)
     _log(f"[{numerics}] server stopped")
     return results
 
@@ -1041,7 +1093,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--port",
         type=int,
-        help="server port (it also binds PORT+1); default: a free one",
+        help="server port (it also binds PORT+1; the two servers then run one after the "
+        "other); default: a free one each",
     )
     parser.add_argument(
         "--server-site",
@@ -1255,15 +1308,27 @@ def _demo(
         f"{len(demo.family.lora_targets)} targets in every block), sent as "
         + ", ".join(_push_dtype_names(args))
     )
-    parity = _run_mode("train_parity", args, demo, adapters, log_dir)
     default, default_error = [], None
-    if not args.skip_default:
-        try:
-            default = _run_mode("default", args, demo, adapters, log_dir)
-        except Exception as exc:  # noqa: BLE001 - reported, and the demo fails
-            # train_parity's results still get their table and report
-            default_error = f"{type(exc).__name__}: {exc}"
-            _log(f"[default] FAILED: {default_error}")
+    with ExitStack() as servers:
+        parity_server = _start_server("train_parity", args, demo, log_dir, servers)
+        # On the CPU the default server starts at once too: its start-up (mostly imports,
+        # most of a tiny model's demo) runs on another core while train_parity's server
+        # starts and serves. With --port (one port for both) or on a GPU, one at a time.
+        default_server = None
+        if not args.skip_default and args.device == "cpu" and args.port is None:
+            default_server = _start_server("default", args, demo, log_dir, servers)
+        parity = _run_mode(parity_server, args, demo, adapters)
+        if not args.skip_default:
+            try:
+                if default_server is None:
+                    default_server = _start_server(
+                        "default", args, demo, log_dir, servers
+                    )
+                default = _run_mode(default_server, args, demo, adapters)
+            except Exception as exc:  # noqa: BLE001 - reported, and the demo fails
+                # train_parity's results still get their table and report
+                default_error = f"{type(exc).__name__}: {exc}"
+                _log(f"[default] FAILED: {default_error}")
     _log("\n" + _table(parity, default) + "\n")
     parity_exact = all(same and verdict.ok for _, _, same, verdict in parity)
     # caught by the fingerprints alone; the debug tensors show by how much
