@@ -144,6 +144,11 @@ class Server:
         self.numerics = numerics
         self.started_at = time.monotonic()
 
+    def stop(self) -> None:
+        """Stop its process group (idempotent)."""
+        _stop(self.process)
+        _LIVE_SERVERS.discard(self.process)
+
     def post(self, path: str, timeout: float = REQUEST_TIMEOUT_S, **body):
         import requests
 
@@ -240,8 +245,7 @@ def started_server(
     try:
         yield server
     finally:
-        _stop(process)
-        _LIVE_SERVERS.discard(process)
+        server.stop()
         torch.set_num_threads(client_threads)
 
 
@@ -975,8 +979,7 @@ def _run_mode(
             step_diffs.append(steps)
             step_experts.append([experts[step] for step in sorted(experts)])
     finally:
-        _stop(server.process)
-        _LIVE_SERVERS.discard(server.process)
+        server.stop()
     _log(f"[{numerics}] server stopped")
     return results
 
