@@ -1,11 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the Qwen-Image text stream on a side CUDA stream saves, and at which
-stream priority: the 60-block train_parity DiT of benchmark/speed.py (1024x1024,
-batch 1, CFG as two forwards, LoRA r64), replayed from CUDA graphs, timed with
-the side stream at high priority (as the DiT runs it), at normal priority, and
-with everything on one stream (``SideStream(overlap=False)``). The variants'
-timed rounds are interleaved; each recaptures its graphs, and each step output
-is checked bitwise against the one-stream output.
+"""What the Qwen-Image text stream on a side CUDA stream saves, and how its
+kernels and the image stream's share the GPU: the 60-block train_parity DiT of
+benchmark/speed.py (1024x1024, batch 1, CFG as two forwards, LoRA r64),
+replayed from CUDA graphs, timed
+
+* as the DiT runs it (side stream at high priority; a graph launched as
+  PyTorch launches it runs every node at the launch stream's priority),
+* at normal priority,
+* with everything on one stream (``SideStream(overlap=False)``),
+* with the graph instantiated by the driver with
+  ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`` (each kernel node keeps
+  the priority of the stream it was captured from): side stream high, and
+  image stream high with the side stream normal,
+* with each block's modulations computed once and reused (a bound on what
+  taking the modulation GEMVs off the side stream could save; its output
+  equals the others' only at the timestep the modulations were computed for,
+  the one compared).
+
+The variants' timed rounds are interleaved; each recaptures its graphs, and
+each step output is checked bitwise against the one-stream output. One
+profiled step per variant gives each stream's busy time and kernels.
 
     python3 benchmark/probe_side_stream.py --out $OUT/side_stream.json
 """
@@ -13,6 +27,8 @@ is checked bitwise against the one-stream output.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import functools
 import json
 import statistics
@@ -22,12 +38,78 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmark import gpu_common, speed  # noqa: E402
 
+USE_NODE_PRIORITY = 8  # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+LAUNCH_ATTRIBUTE_PRIORITY = 8  # CU_LAUNCH_ATTRIBUTE_PRIORITY
+KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+
+
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed: CUresult {rc}")
+
+
+def node_priorities(graph_handle: int) -> dict:
+    """How many kernel nodes of a captured graph carry each priority."""
+    cuda = _driver()
+    count = ctypes.c_size_t(0)
+    graph = ctypes.c_void_p(graph_handle)
+    _check(cuda.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (ctypes.c_void_p * count.value)()
+    _check(cuda.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    histogram: dict = {}
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        _check(cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "type")
+        if kind.value != KERNEL_NODE:
+            continue
+        value = (ctypes.c_int * 16)()
+        _check(
+            cuda.cuGraphKernelNodeGetAttribute(
+                ctypes.c_void_p(node), LAUNCH_ATTRIBUTE_PRIORITY, value
+            ),
+            "cuGraphKernelNodeGetAttribute",
+        )
+        histogram[str(value[0])] = histogram.get(str(value[0]), 0) + 1
+    return histogram
+
+
+def node_priority_graph_class(torch, seen: list):
+    """A ``torch.cuda.CUDAGraph`` whose replay launches an executable the driver
+    instantiated with per-node priorities."""
+
+    class NodePriorityGraph(torch.cuda.CUDAGraph):
+        def __new__(cls):
+            return super().__new__(cls, keep_graph=True)
+
+        def replay(self):
+            cuda = _driver()
+            if getattr(self, "_exec", None) is None:
+                handle = self.raw_cuda_graph()
+                seen.append(node_priorities(handle))
+                self._exec = ctypes.c_void_p()
+                _check(
+                    cuda.cuGraphInstantiateWithFlags(
+                        ctypes.byref(self._exec),
+                        ctypes.c_void_p(handle),
+                        ctypes.c_ulonglong(USE_NODE_PRIORITY),
+                    ),
+                    "cuGraphInstantiateWithFlags",
+                )
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            _check(cuda.cuGraphLaunch(self._exec, stream), "cuGraphLaunch")
+
+    return NodePriorityGraph
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=60)
     parser.add_argument("--tiny", action="store_true", help="CPU dry run of the script")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/side_stream"))
     parser.add_argument("--out", type=Path, required=True)
@@ -37,7 +119,7 @@ def main() -> int:
     import torch
 
     from sglang.multimodal_gen.runtime.models.dits import qwen_image
-    from sglang.multimodal_gen.runtime.utils import side_stream
+    from sglang.multimodal_gen.runtime.utils import side_stream, train_parity_graphs
     from sglang.multimodal_gen.runtime.utils.side_stream import SideStream
     from sglang_train_parity import reference
 
@@ -53,29 +135,61 @@ def main() -> int:
     graphs = model.__dict__.get("forward")
     step = speed.fork_step_fn(model, config, grid, txt, device)
 
-    def normal_priority(device):
-        return torch.cuda.Stream(device, priority=0)
+    def stream_of(priority, device):
+        return torch.cuda.Stream(device, priority=priority)
 
+    priorities_seen: dict = {}
+    block_cls = qwen_image.QwenImageTransformerBlock
+    original_modulation = block_cls._get_modulation_params
+    original_graph = torch.cuda.graph
+
+    def modulations_once(block, *args):
+        if "_probe_modulation" not in block.__dict__:
+            block._probe_modulation = original_modulation(block, *args)
+        return block._probe_modulation
+
+    def node_priority(name, capture_priority=None):
+        patches = {
+            (train_parity_graphs.torch.cuda, "CUDAGraph"): node_priority_graph_class(
+                torch, priorities_seen.setdefault(name, [])
+            )
+        }
+        if capture_priority is not None and device == "cuda":
+            capture = torch.cuda.Stream(priority=capture_priority)
+            patches[(torch.cuda, "graph")] = functools.partial(
+                original_graph, stream=capture
+            )
+        return patches
+
+    normal_side = {(side_stream, "_side_stream"): functools.cache(functools.partial(stream_of, 0))}
     variants = {
         "side stream, high priority": {},
-        "side stream, normal priority": {
-            (side_stream, "_side_stream"): functools.cache(normal_priority)
-        },
+        "side stream, normal priority": normal_side,
         "one stream": {
             (qwen_image, "SideStream"): functools.partial(SideStream, overlap=False)
         },
+        "node priority: side high": node_priority("node priority: side high"),
+        "node priority: image high, side normal": {
+            **node_priority("node priority: image high, side normal", -1),
+            **normal_side,
+        },
+        "modulations computed once (bound)": {
+            (block_cls, "_get_modulation_params"): modulations_once
+        },
     }
-    originals = {
-        key: getattr(*key) for patches in variants.values() for key in patches
-    }
+    if device != "cuda":  # the driver's graph API needs CUDA
+        variants = {k: v for k, v in variants.items() if not k.startswith("node")}
+    originals = {key: getattr(*key) for patches in variants.values() for key in patches}
     result = {"script": "benchmark/probe_side_stream.py", "argv": sys.argv[1:]}
     result["graphs"] = graphs is not None
     times = {name: [] for name in variants}
-    outputs = {}
+    outputs, profiles = {}, {}
     for round_ in range(args.rounds):
         for name, patches in variants.items():
             for key, value in originals.items():
                 setattr(*key, patches.get(key, value))
+            for block in model.transformer_blocks:
+                block.__dict__.pop("_probe_modulation", None)
             if graphs is not None:
                 # as after an update: the next call drops every graph
                 graphs.state = None
@@ -85,6 +199,11 @@ def main() -> int:
             times[name].append(speed.time_steps(step, 0, args.steps, device))
             if round_ == 0:
                 outputs[name] = step(0).detach().cpu()
+                profile = speed.profile_step(step, model, device, annotate=False)
+                profiles[name] = {
+                    k: profile.get(k)
+                    for k in ("profiled_step_wall_ms", "kernel_time_ms", "device_timeline")
+                }
     for key, value in originals.items():
         setattr(*key, value)
     reference_output = outputs["one stream"]
@@ -93,12 +212,22 @@ def main() -> int:
             "step_ms_median": round(statistics.median(sum(runs, [])), 2),
             "round_medians_ms": [round(statistics.median(r), 2) for r in runs],
             "equal_to_one_stream": bool(torch.equal(outputs[name], reference_output)),
+            "kernel_node_priorities": priorities_seen.get(name, [])[:2],
+            "profile": profiles[name],
         }
         for name, runs in times.items()
     }
     result["versions"] = gpu_common.versions()
     args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["variants"], indent=1))
+    print(
+        json.dumps(
+            {
+                name: {k: v for k, v in entry.items() if k != "profile"}
+                for name, entry in result["variants"].items()
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
