@@ -85,6 +85,10 @@ def node_priority_graph_class(torch, seen: list):
         def __new__(cls):
             return super().__new__(cls, keep_graph=True)
 
+        def __init__(self):
+            # the binding's __init__ runs with the call's arguments
+            torch._C._CUDAGraph.__init__(self, True)
+
         def replay(self):
             cuda = _driver()
             if getattr(self, "_exec", None) is None:
