@@ -469,7 +469,12 @@ def build_fork(
     return model, info
 
 
-def fork_step_fn(model, config, grid, txt, device, batch=1):
+def fork_step_fn(model, config, grid, txt, device, batch=1, branch_streams=None):
+    """One CFG step of the fork's DiT: the cond and uncond forwards one after the
+    other on the current stream, or each on its own stream of ``branch_streams``
+    (cond, uncond), both joined before the guidance is combined."""
+    import contextlib
+
     import torch
 
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
@@ -499,17 +504,25 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
         with torch.no_grad(), set_forward_context(
             current_timestep=i, attn_metadata=None, forward_batch=None
         ):
-            for k in ("cond", "uncond"):
-                outs[k] = model(
-                    hidden_states=latents,
-                    encoder_hidden_states=text[k],
-                    encoder_hidden_states_mask=None,
-                    timestep=t,
-                    img_shapes=img_shapes,
-                    txt_seq_lens=[text[k].shape[1]] * batch,
-                    freqs_cis=freqs[k][0],
-                    freqs_complex=freqs[k][1],
-                )
+            main = torch.cuda.current_stream() if branch_streams else None
+            for k, stream in zip(("cond", "uncond"), branch_streams or (None, None)):
+                if stream is not None:
+                    stream.wait_stream(main)
+                    t.record_stream(stream)
+                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                    outs[k] = model(
+                        hidden_states=latents,
+                        encoder_hidden_states=text[k],
+                        encoder_hidden_states_mask=None,
+                        timestep=t,
+                        img_shapes=img_shapes,
+                        txt_seq_lens=[text[k].shape[1]] * batch,
+                        freqs_cis=freqs[k][0],
+                        freqs_complex=freqs[k][1],
+                    )
+            for stream, out in zip(branch_streams or (), outs.values()):
+                main.wait_stream(stream)
+                out.record_stream(main)
         return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
 
     return step
