@@ -31,9 +31,10 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    # High priority: the current stream waits on this one's results, so its
-    # short kernels should not queue behind the current stream's long ones.
-    return torch.cuda.Stream(device, priority=-1)
+    # Normal priority: at high priority its kernels take the SMs first and slow
+    # the current stream's, which is the step's critical path, more than
+    # waiting for them would.
+    return torch.cuda.Stream(device)
 
 
 class SideStream:
