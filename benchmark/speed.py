@@ -379,23 +379,45 @@ def time_steps(step_fn, warmup: int, steps: int, device: str) -> list[float]:
     return times
 
 
+def time_pipelined(step_fn, first: int, steps: int) -> float:
+    """The mean step time of ``steps`` CUDA steps issued back to back, the device
+    waited for once at the end, as a denoising loop that does not wait between steps
+    runs them: each step's host work overlaps the previous step's kernels."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(steps):
+        step_fn(first + i)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def timed(step, args) -> dict:
     """``args.rounds`` timed runs of ``args.steps`` steps (the first after ``args.warmup``
-    warm-up steps, the others after one): the median, p10 and p90 over all steps and
-    each run's median."""
+    warm-up steps, the others after one), each step waited for: the median, p10 and p90
+    over all steps and each run's median. On CUDA also, per round, the mean step of
+    ``args.steps`` steps issued without waiting in between (``time_pipelined``)."""
     rounds = [
         time_steps(step, args.warmup if r == 0 else 1, args.steps, args.device)
         for r in range(args.rounds)
     ]
     times = [t for run in rounds for t in run]
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-    return {
+    entry = {
         "step_ms_median": round(statistics.median(times), 2),
         "step_ms_p10": round(q[0], 2),
         "step_ms_p90": round(q[-1], 2),
         "round_medians_ms": [round(statistics.median(run), 2) for run in rounds],
         "step_ms_all": [round(t, 2) for t in times],
     }
+    if args.device == "cuda":
+        pipelined = [time_pipelined(step, 0, args.steps) for _ in range(args.rounds)]
+        entry["pipelined_step_ms_median"] = round(statistics.median(pipelined), 2)
+        entry["pipelined_round_means_ms"] = [round(t, 2) for t in pipelined]
+    return entry
 
 
 def add_floor_ratio(entry: dict, floor_entry: dict | None = None) -> None:
@@ -405,6 +427,10 @@ def add_floor_ratio(entry: dict, floor_entry: dict | None = None) -> None:
     if floor and entry.get("step_ms_median"):
         entry["contract_floor_ms"] = floor
         entry["wall_over_contract_floor"] = round(entry["step_ms_median"] / floor, 3)
+        if entry.get("pipelined_step_ms_median"):
+            entry["pipelined_over_contract_floor"] = round(
+                entry["pipelined_step_ms_median"] / floor, 3
+            )
 
 
 def add_floor_ratios(variants: dict) -> None:
@@ -1224,6 +1250,13 @@ def main() -> int:
             f"{e.get('contract_floor_ms')!s:>9s} {e.get('wall_over_contract_floor')!s:>7s}  {e.get('round_medians_ms')}"
         )
     for k, e in v.items():
+        if e.get("pipelined_step_ms_median"):
+            print(
+                f"{k:19s} pipelined (no wait between steps) {e['pipelined_step_ms_median']} "
+                f"ms/step, /floor {e.get('pipelined_over_contract_floor')}, "
+                f"rounds {e['pipelined_round_means_ms']}"
+            )
+    for k, e in v.items():
         t = (e.get("profile") or {}).get("device_timeline")
         if t:
             print(
@@ -1244,7 +1277,9 @@ def main() -> int:
                 f"{k:19s} {shape:16s} median {x['step_ms_median']} ms p10 {x['step_ms_p10']} "
                 f"p90 {x['step_ms_p90']} kernel {p.get('kernel_time_ms')} ms launches "
                 f"{p.get('kernel_launches')} floor {x.get('contract_floor_ms')} ms "
-                f"/floor {x.get('wall_over_contract_floor')} rounds {x['round_medians_ms']}"
+                f"/floor {x.get('wall_over_contract_floor')} rounds {x['round_medians_ms']} "
+                f"pipelined {x.get('pipelined_step_ms_median')} ms "
+                f"/floor {x.get('pipelined_over_contract_floor')}"
             )
     for k in (
         f"step_output_vs_{trainer}",
