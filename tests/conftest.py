@@ -13,6 +13,8 @@ import pytest
 from forktools.upstream import load_pin, obtain_wheel
 from forktools.wheelbuild import build_wheel
 
+pytest_plugins = ["pytester"]  # tests/test_background_commands.py runs pytest sessions
+
 
 @pytest.fixture(scope="session")
 def pin():
@@ -58,8 +60,8 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 REPO = Path(__file__).resolve().parent.parent
 # test -> the `python -m forktools` command it waits for. Each takes minutes on two cores, mostly
-# in processes that wait on each other: it starts as soon as its test is collected and runs beside
-# the other tests.
+# in processes that wait on each other: it starts as soon as collection has chosen the tests to
+# run, if its test is one of them, and runs beside the other tests.
 BACKGROUND_COMMANDS = {
     "test_no_upstream_test_regresses": "upstream-suite",  # upstream's unit suite on the fork
     "test_upstream_diff_is_reviewable_on_its_own": "review",  # each upstream diff on its own
@@ -67,18 +69,27 @@ BACKGROUND_COMMANDS = {
 background_runs = pytest.StashKey[dict[str, subprocess.Popen]]()
 
 
-def pytest_collection_modifyitems(config, items):
-    collected = {item.originalname for item in items}
-    config.stash[background_runs] = {
-        command: subprocess.Popen(
-            [sys.executable, "-m", "forktools", command],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+def start_background(command: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "forktools", command],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def pytest_collection_finish(session):
+    """Start the background commands of the tests that will run: session.items is the final
+    selection (pytest_collection_modifyitems sees the tests before -k, -m and --deselect
+    drop theirs); none under --collect-only."""
+    if session.config.option.collectonly:
+        return
+    selected = {item.originalname for item in session.items}
+    session.config.stash[background_runs] = {
+        command: start_background(command)
         for test, command in BACKGROUND_COMMANDS.items()
-        if test in collected
+        if test in selected
     }
 
 
