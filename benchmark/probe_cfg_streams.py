@@ -17,8 +17,6 @@ where they may overwrite each other's memory.
 
 from __future__ import annotations
 
-import argparse
-import functools
 import json
 import statistics
 import sys
@@ -29,30 +27,12 @@ from benchmark import gpu_common, speed  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=60)
-    parser.add_argument("--tiny", action="store_true", help="CPU dry run of the script")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/cfg_streams"))
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    gpu_common.setup(device, "off")
+    args = speed.probe_args(__doc__.split("\n\n")[0], "/tmp/cfg_streams")
+    model, step_fn, device = speed.build_probe_dit(args)
     import torch
 
     from sglang.multimodal_gen.runtime.utils import side_stream, train_parity_graphs
-    from sglang_train_parity import reference
 
-    speed.FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
-    config = dict(
-        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
-        num_layers=args.layers,
-    )
-    grid = (8, 8) if args.tiny else (64, 64)
-    txt = speed.TXT_LEN_TINY if args.tiny else speed.TXT_LEN
-    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image", config)
-    model, _ = speed.build_fork("train_parity", config, model_dir, device)
     graphs = model.__dict__.get("forward")
 
     streams_for: dict = {}
@@ -82,19 +62,15 @@ def main() -> int:
     }
     branch_streams = (torch.cuda.Stream(), torch.cuda.Stream()) if device == "cuda" else None
     variants = {
-        "sequential": ({}, speed.fork_step_fn(model, config, grid, txt, device)),
+        "sequential": ({}, step_fn()),
         "concurrent CFG branches": (
             concurrent_patches,
-            speed.fork_step_fn(
-                model, config, grid, txt, device, branch_streams=branch_streams
-            ),
+            step_fn(branch_streams=branch_streams),
         ),
         # control: both graphs in one pool, captured from one stream
         "concurrent, one pool and one capture stream (control)": (
             {},
-            speed.fork_step_fn(
-                model, config, grid, txt, device, branch_streams=branch_streams
-            ),
+            step_fn(branch_streams=branch_streams),
         ),
     }
     originals = {key: getattr(*key) for patches, _ in variants.values() for key in patches}

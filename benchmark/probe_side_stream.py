@@ -26,8 +26,6 @@ profiled step per variant gives each stream's busy time and kernels.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import ctypes
 import functools
 import json
@@ -110,34 +108,16 @@ def node_priority_graph_class(torch, seen: list):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=60)
-    parser.add_argument("--tiny", action="store_true", help="CPU dry run of the script")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/side_stream"))
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    gpu_common.setup(device, "off")
+    args = speed.probe_args(__doc__.split("\n\n")[0], "/tmp/side_stream")
+    model, step_fn, device = speed.build_probe_dit(args)
     import torch
 
     from sglang.multimodal_gen.runtime.models.dits import qwen_image
     from sglang.multimodal_gen.runtime.utils import side_stream, train_parity_graphs
     from sglang.multimodal_gen.runtime.utils.side_stream import SideStream
-    from sglang_train_parity import reference
 
-    speed.FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
-    config = dict(
-        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
-        num_layers=args.layers,
-    )
-    grid = (8, 8) if args.tiny else (64, 64)
-    txt = speed.TXT_LEN_TINY if args.tiny else speed.TXT_LEN
-    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image", config)
-    model, _ = speed.build_fork("train_parity", config, model_dir, device)
     graphs = model.__dict__.get("forward")
-    step = speed.fork_step_fn(model, config, grid, txt, device)
+    step = step_fn()
 
     def stream_of(priority, device):
         return torch.cuda.Stream(device, priority=priority)

@@ -495,6 +495,43 @@ def build_fork(
     return model, info
 
 
+def probe_args(description: str, workdir: str):
+    """The command line of the Qwen-Image graph probes (``probe_side_stream.py``,
+    ``probe_cfg_streams.py``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--layers", type=int, default=60)
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run of the script")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--workdir", type=Path, default=Path(workdir))
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+def build_probe_dit(args):
+    """This benchmark's train_parity Qwen-Image DiT with its LoRA for a probe: the
+    model, a step-function factory taking ``fork_step_fn``'s keyword arguments, and
+    the device."""
+    from sglang_train_parity import reference
+
+    device = "cpu" if args.tiny else "cuda"
+    gpu_common.setup(device, "off")
+    FAMILY_SPECS["qwen-image"]["targets"] = reference.LORA_TARGETS
+    config = dict(
+        gpu_common.TINY_CONFIG if args.tiny else gpu_common.REAL_CONFIG,
+        num_layers=args.layers,
+    )
+    grid = (8, 8) if args.tiny else (64, 64)
+    txt = TXT_LEN_TINY if args.tiny else TXT_LEN
+    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image", config)
+    model, _ = build_fork("train_parity", config, model_dir, device)
+
+    def step_fn(**kwargs):
+        return fork_step_fn(model, config, grid, txt, device, **kwargs)
+
+    return model, step_fn, device
+
+
 def fork_step_fn(model, config, grid, txt, device, batch=1, branch_streams=None):
     """One CFG step of the fork's DiT: the cond and uncond forwards one after the
     other on the current stream, or each on its own stream of ``branch_streams``
