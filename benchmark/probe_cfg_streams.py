@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What running a CFG step's two forwards concurrently, each on its own CUDA
-stream, saves: the 60-block train_parity DiT of benchmark/speed.py (1024x1024,
-batch 1, CFG as two forwards, LoRA r64), replayed from CUDA graphs.
+"""What running a CFG step's two forwards at once, each on its own CUDA stream,
+saves: the 60-block train_parity DiT of benchmark/speed.py (1024x1024, batch 1,
+CFG as two forwards, LoRA r64), replayed from CUDA graphs, its branches run
+as the denoising stage runs them (``run_cfg_branches``: each branch stream
+replays its own graphs from its own graph pool, captured from its own capture
+stream, with its own side stream) and, patched, one after the other.
 
-Two graphs replayed at once must not share memory: each is captured into its
-own graph pool, from its own capture stream (cuBLAS keeps a workspace per
-stream, and a captured GEMM writes the workspace of the stream it was
-captured on), with its own side stream for the text stream. The variants'
-timed rounds are interleaved; every timed step's output of the concurrent
-variant is compared bitwise with the sequential one at the same step. The
-control replays both graphs at once from one pool and one capture stream,
-where they may overwrite each other's memory.
+The control replays both branches' graphs at once from one graph pool, where
+they may overwrite each other's memory. The variants' timed rounds are
+interleaved; every step output compared is checked bitwise against the
+output of the branches in turn at the same step.
 
     python3 benchmark/probe_cfg_streams.py --out $OUT/cfg_streams.json
 """
@@ -28,60 +27,41 @@ from benchmark import gpu_common, speed  # noqa: E402
 
 def main() -> int:
     args = speed.probe_args(__doc__.split("\n\n")[0], "/tmp/cfg_streams")
-    model, step_fn, device = speed.build_probe_dit(args)
+    model, step, device = speed.build_probe_dit(args)
     import torch
 
-    from sglang.multimodal_gen.runtime.utils import side_stream, train_parity_graphs
+    from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 
     graphs = model.__dict__.get("forward")
+    original_pool_handle = torch.cuda.graph_pool_handle
+    shared_pool: list = []
 
-    streams_for: dict = {}
+    def one_pool():
+        # a pool whose graphs are all gone cannot take another capture, so one
+        # per round (graphs.state = None drops them)
+        if not shared_pool:
+            shared_pool.append(original_pool_handle())
+        return shared_pool[0]
 
-    def stream_for(role: str):
-        """One stream per (role, current stream): the capture and side streams
-        of a graph captured under a branch stream are that branch's own."""
-        key = (role, torch.cuda.current_stream().cuda_stream)
-        if key not in streams_for:
-            streams_for[key] = torch.cuda.Stream()
-        return streams_for[key]
-
-    original_capture = train_parity_graphs.ExactShapeGraphs._capture
-    original_graph = torch.cuda.graph
-
-    def capture_in_own_pool(self, leaves, spec):
-        self.pool = None
-        return original_capture(self, leaves, spec)
-
-    def graph_on_branch_stream(cuda_graph, pool=None, **kwargs):
-        return original_graph(cuda_graph, pool=pool, stream=stream_for("capture"), **kwargs)
-
-    concurrent_patches = {
-        (train_parity_graphs.ExactShapeGraphs, "_capture"): capture_in_own_pool,
-        (torch.cuda, "graph"): graph_on_branch_stream,
-        (side_stream, "_side_stream"): lambda device: stream_for("side"),
-    }
-    branch_streams = (torch.cuda.Stream(), torch.cuda.Stream()) if device == "cuda" else None
     variants = {
-        "sequential": ({}, step_fn()),
-        "concurrent CFG branches": (
-            concurrent_patches,
-            step_fn(branch_streams=branch_streams),
-        ),
-        # control: both graphs in one pool, captured from one stream
-        "concurrent, one pool and one capture stream (control)": (
-            {},
-            step_fn(branch_streams=branch_streams),
-        ),
+        "branches in turn": {
+            (train_parity_graphs, "run_cfg_branches"): lambda dit, branches: [
+                branch() for branch in branches
+            ]
+        },
+        "branches at once (as the denoising stage runs them)": {},
+        "control: at once from one graph pool": {(torch.cuda, "graph_pool_handle"): one_pool},
     }
-    originals = {key: getattr(*key) for patches, _ in variants.values() for key in patches}
+    originals = {key: getattr(*key) for patches in variants.values() for key in patches}
     result = {"script": "benchmark/probe_cfg_streams.py", "argv": sys.argv[1:]}
     result["graphs"] = graphs is not None
     times = {name: [] for name in variants}
     outputs = {name: {} for name in variants}
     for round_ in range(args.rounds):
-        for name, (patches, step) in variants.items():
+        for name, patches in variants.items():
             for key, value in originals.items():
                 setattr(*key, patches.get(key, value))
+            shared_pool.clear()
             if graphs is not None:
                 graphs.state = None  # as after an update: the next call drops every graph
             for i in range(3):  # first sight eager, second capture: then replays
@@ -92,13 +72,13 @@ def main() -> int:
                     outputs[name][i] = step(i).detach().cpu()
     for key, value in originals.items():
         setattr(*key, value)
-    sequential = outputs["sequential"]
+    in_turn = outputs["branches in turn"]
     result["variants"] = {
         name: {
             "step_ms_median": round(statistics.median(sum(runs, [])), 2),
             "round_medians_ms": [round(statistics.median(r), 2) for r in runs],
-            "steps_equal_to_sequential": sum(
-                bool(torch.equal(out, sequential[i])) for i, out in outputs[name].items()
+            "steps_equal_to_in_turn": sum(
+                bool(torch.equal(out, in_turn[i])) for i, out in outputs[name].items()
             ),
             "steps_compared": len(outputs[name]),
         }

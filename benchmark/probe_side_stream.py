@@ -4,9 +4,8 @@ kernels and the image stream's share the GPU: the 60-block train_parity DiT of
 benchmark/speed.py (1024x1024, batch 1, CFG as two forwards, LoRA r64),
 replayed from CUDA graphs, timed
 
-* as the DiT runs it (side stream at high priority; a graph launched as
-  PyTorch launches it runs every node at the launch stream's priority),
-* at normal priority,
+* as the DiT runs it (side stream at normal priority),
+* at high priority (as the DiT ran it until run 30),
 * with everything on one stream (``SideStream(overlap=False)``),
 * with the graph instantiated by the driver with
   ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`` (each kernel node keeps
@@ -17,9 +16,11 @@ replayed from CUDA graphs, timed
   equals the others' only at the timestep the modulations were computed for,
   the one compared).
 
-The variants' timed rounds are interleaved; each recaptures its graphs, and
-each step output is checked bitwise against the one-stream output. One
-profiled step per variant gives each stream's busy time and kernels.
+The CFG step's two forwards run one after the other (``run_cfg_branches``
+patched to run them in turn). The variants' timed rounds are interleaved;
+each recaptures its graphs, and each step output is checked bitwise against
+the one-stream output. One profiled step per variant gives each stream's
+busy time and kernels.
 
     python3 benchmark/probe_side_stream.py --out $OUT/side_stream.json
 """
@@ -109,7 +110,7 @@ def node_priority_graph_class(torch, seen: list):
 
 def main() -> int:
     args = speed.probe_args(__doc__.split("\n\n")[0], "/tmp/side_stream")
-    model, step_fn, device = speed.build_probe_dit(args)
+    model, step, device = speed.build_probe_dit(args)
     import torch
 
     from sglang.multimodal_gen.runtime.models.dits import qwen_image
@@ -117,9 +118,8 @@ def main() -> int:
     from sglang.multimodal_gen.runtime.utils.side_stream import SideStream
 
     graphs = model.__dict__.get("forward")
-    step = step_fn()
 
-    def stream_of(priority, device):
+    def stream_of(priority, device, stream_id):
         return torch.cuda.Stream(device, priority=priority)
 
     priorities_seen: dict = {}
@@ -145,22 +145,31 @@ def main() -> int:
             )
         return patches
 
-    normal_side = {(side_stream, "_side_stream"): functools.cache(functools.partial(stream_of, 0))}
+    high_side = {
+        (side_stream, "_side_stream"): functools.cache(functools.partial(stream_of, -1))
+    }
     variants = {
-        "side stream, high priority": {},
-        "side stream, normal priority": normal_side,
+        "side stream, normal priority (as the DiT runs it)": {},
+        "side stream, high priority": high_side,
         "one stream": {
             (qwen_image, "SideStream"): functools.partial(SideStream, overlap=False)
         },
-        "node priority: side high": node_priority("node priority: side high"),
-        "node priority: image high, side normal": {
-            **node_priority("node priority: image high, side normal", -1),
-            **normal_side,
+        "node priority: side high": {
+            **node_priority("node priority: side high"),
+            **high_side,
         },
+        "node priority: image high, side normal": node_priority(
+            "node priority: image high, side normal", -1
+        ),
         "modulations computed once (bound)": {
             (block_cls, "_get_modulation_params"): modulations_once
         },
     }
+    # one CFG branch at a time: the streams of one forward are compared
+    for patches in variants.values():
+        patches[(train_parity_graphs, "run_cfg_branches")] = lambda dit, branches: [
+            branch() for branch in branches
+        ]
     if device != "cuda":  # the driver's graph API needs CUDA
         variants = {k: v for k, v in variants.items() if not k.startswith("node")}
     originals = {key: getattr(*key) for patches in variants.values() for key in patches}

@@ -510,8 +510,7 @@ def probe_args(description: str, workdir: str):
 
 def build_probe_dit(args):
     """This benchmark's train_parity Qwen-Image DiT with its LoRA for a probe: the
-    model, a step-function factory taking ``fork_step_fn``'s keyword arguments, and
-    the device."""
+    model, its CFG step function (``fork_step_fn``) and the device."""
     from sglang_train_parity import reference
 
     device = "cpu" if args.tiny else "cuda"
@@ -526,19 +525,17 @@ def build_probe_dit(args):
     model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image", config)
     model, _ = build_fork("train_parity", config, model_dir, device)
 
-    def step_fn(**kwargs):
-        return fork_step_fn(model, config, grid, txt, device, **kwargs)
-
-    return model, step_fn, device
+    return model, fork_step_fn(model, config, grid, txt, device), device
 
 
-def fork_step_fn(model, config, grid, txt, device, batch=1, branch_streams=None):
-    """One CFG step of the fork's DiT: the cond and uncond forwards one after the
-    other on the current stream, or each on its own stream of ``branch_streams``
-    (cond, uncond), both joined before the guidance is combined."""
-    import contextlib
+def fork_step_fn(model, config, grid, txt, device, batch=1):
+    """One CFG step of the fork's DiT, its cond and uncond forwards run as the
+    denoising stage runs them (``run_cfg_branches``: at once on two streams where
+    the DiT replays CUDA graphs)."""
+    import functools
 
     import torch
+    from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
         QwenImagePipelineConfig,
@@ -561,32 +558,27 @@ def fork_step_fn(model, config, grid, txt, device, batch=1, branch_streams=None)
     }
     ts = timesteps_for(64, device)
 
+    def forward(k, t):
+        return model(
+            hidden_states=latents,
+            encoder_hidden_states=text[k],
+            encoder_hidden_states_mask=None,
+            timestep=t,
+            img_shapes=img_shapes,
+            txt_seq_lens=[text[k].shape[1]] * batch,
+            freqs_cis=freqs[k][0],
+            freqs_complex=freqs[k][1],
+        )
+
     def step(i):
         t = ts[i % len(ts)].expand(batch).contiguous()
-        outs = {}
         with torch.no_grad(), set_forward_context(
             current_timestep=i, attn_metadata=None, forward_batch=None
         ):
-            main = torch.cuda.current_stream() if branch_streams else None
-            for k, stream in zip(("cond", "uncond"), branch_streams or (None, None)):
-                if stream is not None:
-                    stream.wait_stream(main)
-                    t.record_stream(stream)
-                with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-                    outs[k] = model(
-                        hidden_states=latents,
-                        encoder_hidden_states=text[k],
-                        encoder_hidden_states_mask=None,
-                        timestep=t,
-                        img_shapes=img_shapes,
-                        txt_seq_lens=[text[k].shape[1]] * batch,
-                        freqs_cis=freqs[k][0],
-                        freqs_complex=freqs[k][1],
-                    )
-            for stream, out in zip(branch_streams or (), outs.values()):
-                main.wait_stream(stream)
-                out.record_stream(main)
-        return outs["uncond"] + CFG_SCALE * (outs["cond"] - outs["uncond"])
+            cond, uncond = train_parity_graphs.run_cfg_branches(
+                model, [functools.partial(forward, k, t) for k in ("cond", "uncond")]
+            )
+        return uncond + CFG_SCALE * (cond - uncond)
 
     return step
 

@@ -30,7 +30,9 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
+    # One per issuing stream, so that forwards running at once on two streams
+    # (a CFG step's branches) do not queue behind each other's side work.
     # Normal priority: at high priority its kernels take the SMs first and slow
     # the current stream's, which is the step's critical path, more than
     # waiting for them would.
@@ -52,7 +54,7 @@ class SideStream:
         self.enabled = overlap and device.type == "cuda"
         if self.enabled:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = _side_stream(device, self.main.cuda_stream)
             self.to_side(*inputs)
         self._contexts: list[torch.cuda.StreamContext] = []
 

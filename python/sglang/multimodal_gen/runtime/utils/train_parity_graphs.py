@@ -18,16 +18,22 @@ autograd on, with module hooks installed, with tensors that are not
 contiguous CUDA tensors, or with inputs the DiT's
 ``train_parity_graph_replayable`` refuses.
 
+The branches of a CFG step (``run_cfg_branches``) run on streams of their
+own, so that their replays overlap on the GPU: each issuing stream has its
+own graphs, graph pool and capture stream, and an eager forward on a branch
+stream starts after the other branches' work.
+
 ``SGLANG_TRAIN_PARITY_CUDA_GRAPH=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from functools import partial
 from itertools import chain
 from operator import attrgetter, is_not, methodcaller
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -100,7 +106,7 @@ class _ModuleTreeState:
 
 
 class _Graph:
-    def __init__(self, forward, leaves: list, spec, pool) -> None:
+    def __init__(self, forward, leaves: list, spec, pool, capture_stream) -> None:
         self.inputs = [
             leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
         ]
@@ -112,7 +118,7 @@ class _Graph:
             forward(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=capture_stream):
             self.output = forward(*args, **kwargs)
 
     def replay(self, leaves: list) -> Any:
@@ -138,7 +144,8 @@ class ExactShapeGraphs:
         self.seen: set = set()
         self.state: tuple | None = None
         self.tree_state = _ModuleTreeState(dit)
-        self.pool = None
+        # per issuing stream: graphs replayed at once must not share memory
+        self.pools: dict[int, Any] = {}
         dit.forward = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,33 +153,47 @@ class ExactShapeGraphs:
         key = self._key(leaves, spec, kwargs)
         state = None if key is None else self._state()
         if state is None:
-            return self.eager_forward(*args, **kwargs)
+            return self._eager(args, kwargs)
         if state != self.state:
             self.graphs.clear()
             self.seen.clear()
             # a pool whose graphs are all gone cannot take another capture
             # (the caching allocator asserts on its use count)
-            self.pool = None
+            self.pools.clear()
             self.state = state
         if key not in self.graphs:
             if key not in self.seen:
                 self.seen.add(key)
-                return self.eager_forward(*args, **kwargs)
+                return self._eager(args, kwargs)
+            _after_other_branches()
             self.graphs[key] = self._capture(leaves, spec)
             if len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
         graph = self.graphs[key]
         if graph is None:
-            return self.eager_forward(*args, **kwargs)
+            return self._eager(args, kwargs)
         return graph.replay(leaves)
 
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        _after_other_branches()
+        return self.eager_forward(*args, **kwargs)
+
     def _capture(self, leaves: list, spec) -> _Graph | None:
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.current_stream()
+        if stream.cuda_stream not in self.pools:
+            self.pools[stream.cuda_stream] = torch.cuda.graph_pool_handle()
         name = type(self.dit).__name__
         try:
-            graph = _Graph(self.eager_forward, leaves, spec, self.pool)
+            graph = _Graph(
+                self.eager_forward,
+                leaves,
+                spec,
+                self.pools[stream.cuda_stream],
+                # a captured GEMM writes the cuBLAS workspace of the stream it
+                # was captured on
+                _capture_stream(stream.device, stream.cuda_stream),
+            )
         except Exception as exc:  # the forward did something a graph cannot hold
             logger.warning(
                 "train_parity: no CUDA graph of the %s forward for these inputs, "
@@ -189,7 +210,13 @@ class ExactShapeGraphs:
             kwargs
         ):
             return None
-        key = [spec, BaseLayerWithLoRA._runtime_lora_scale()]
+        # a graph per issuing stream: one graph replayed at once on two streams
+        # would share its inputs, outputs and memory
+        key = [
+            spec,
+            BaseLayerWithLoRA._runtime_lora_scale(),
+            _current_stream_id(),
+        ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 if not (leaf.is_cuda and leaf.is_contiguous()):
@@ -209,6 +236,75 @@ class ExactShapeGraphs:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return None
         return self.tree_state.read()
+
+
+def _current_stream_id() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_stream().cuda_stream
+
+
+@functools.cache
+def _capture_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
+def _branch_stream(device: torch.device, index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+# The streams of the CFG branches run_cfg_branches is running, while it runs.
+_branch_streams: list[torch.cuda.Stream] = []
+
+
+def _after_other_branches() -> None:
+    """An eager forward (or a capture) on a branch stream starts after the
+    other branches' work: it may read what their forwards cached for it (the
+    modulations of a timestep, tables built on first use), which only graph
+    replays do not."""
+    if not _branch_streams:
+        return
+    current = torch.cuda.current_stream()
+    for stream in _branch_streams:
+        if stream != current:
+            current.wait_stream(stream)
+
+
+def run_cfg_branches(dit: nn.Module, branches: list[Callable[[], Any]]) -> list:
+    """Runs a CFG step's branch predictions. Where ``dit`` replays CUDA graphs,
+    each branch runs with a stream of its own as the current stream, so that
+    their replays overlap on the GPU; each stream starts after the current
+    stream's work, which waits for all of them before it returns. A kernel
+    computes the same bits on any stream, and each branch replays its own
+    graphs from its own memory pool. Otherwise the branches run one after
+    the other."""
+    if (
+        len(branches) < 2
+        or _branch_streams
+        or not isinstance(getattr(dit, "forward", None), ExactShapeGraphs)
+        or not next(dit.parameters()).is_cuda
+    ):
+        return [branch() for branch in branches]
+    main = torch.cuda.current_stream()
+    streams = [_branch_stream(main.device, i) for i in range(len(branches))]
+    results = []
+    try:
+        for stream, branch in zip(streams, branches):
+            stream.wait_stream(main)
+            _branch_streams.append(stream)
+            with torch.cuda.stream(stream):
+                results.append(branch())
+    finally:
+        _branch_streams.clear()
+        for stream in streams:
+            main.wait_stream(stream)
+    # the branches' outputs are read on the current stream from here on
+    tree_map(
+        lambda t: t.record_stream(main) if isinstance(t, torch.Tensor) else t,
+        results,
+    )
+    return results
 
 
 def install(dit: nn.Module) -> bool:

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA-graph replay of the train_parity DiT forward: which calls replay, and on CUDA that
-every replay equals the eager forward bitwise, also after a weight update."""
+every replay equals the eager forward bitwise, also after a weight update and with a
+CFG step's branches replayed at once on two streams."""
 
 import inspect
+from functools import partial
 
 import pytest
 import torch
@@ -176,3 +178,53 @@ def test_replays_equal_the_eager_forward_bitwise():
             assert [type(g) for g in graphs.graphs.values()] == [
                 train_parity_graphs._Graph
             ]
+
+
+def test_cfg_branches_run_in_turn_without_graphs_on_cuda():
+    calls = []
+
+    def branch(name):
+        return lambda: calls.append(name) or name
+
+    for dit in (torch.nn.Linear(2, 2), _tiny_dit("cpu")):
+        train_parity_graphs.install(dit)
+        calls.clear()
+        results = train_parity_graphs.run_cfg_branches(dit, [branch("a"), branch("b")])
+        assert results == calls == ["a", "b"]
+
+
+def _cfg_pair(dit, seed: int, text_lens: tuple[int, int]):
+    return [_inputs(dit, "cuda", seed + k, text_len=n) for k, n in enumerate(text_lens)]
+
+
+@needs_cuda
+def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(monkeypatch):
+    dit = _tiny_dit("cuda")
+    eager_forward = dit.forward
+    train_parity_graphs.install(dit)
+    graphs = dit.forward
+
+    def run(text_lens, compare=True):
+        # first sight eager, then capture, then replays
+        for seed in range(0, 40, 10):
+            pair = _cfg_pair(dit, seed, text_lens)
+            outs = train_parity_graphs.run_cfg_branches(
+                dit, [partial(dit, **inputs) for inputs in pair]
+            )
+            for out, inputs in zip(outs, pair):
+                assert not compare or torch.equal(out, eager_forward(**inputs))
+
+    with torch.no_grad():
+        run((7, 7))
+        run((7, 11))
+    # each branch stream replays graphs of its own from a pool of its own, also
+    # for two prompts of one length
+    assert len(graphs.graphs) == 3
+    assert len(graphs.pools) == 2
+    # control: keyed without the stream, the two branches share one graph (whose
+    # replays at once overwrite each other's inputs, so outputs are not compared)
+    monkeypatch.setattr(train_parity_graphs, "_current_stream_id", lambda: None)
+    graphs.state = None
+    with torch.no_grad():
+        run((7, 7), compare=False)
+    assert len(graphs.graphs) == 1
