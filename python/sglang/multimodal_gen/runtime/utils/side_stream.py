@@ -31,8 +31,9 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 @functools.cache
 def _side_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
-    # One per issuing stream, so that forwards running at once on two streams
-    # (a CFG step's branches) do not queue behind each other's side work.
+    # One per issuing stream: forwards running at once on two streams (a CFG
+    # step's branches) must not share its cuBLAS workspace, which a captured
+    # GEMM writes, nor queue behind each other's side work.
     # Normal priority: at high priority its kernels take the SMs first and slow
     # the current stream's, which is the step's critical path, more than
     # waiting for them would.
