@@ -28,9 +28,8 @@ stream starts after the other branches' work.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from functools import partial
+from functools import cache, partial
 from itertools import chain
 from operator import attrgetter, is_not, methodcaller
 from typing import Any, Callable
@@ -244,12 +243,12 @@ def _current_stream_id() -> int | None:
     return torch.cuda.current_stream().cuda_stream
 
 
-@functools.cache
+@cache
 def _capture_stream(device: torch.device, stream_id: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-@functools.cache
+@cache
 def _branch_stream(device: torch.device, index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
@@ -261,8 +260,8 @@ _branch_streams: list[torch.cuda.Stream] = []
 def _after_other_branches() -> None:
     """An eager forward (or a capture) on a branch stream starts after the
     other branches' work: it may read what their forwards cached for it (the
-    modulations of a timestep, tables built on first use), which only graph
-    replays do not."""
+    modulations of a timestep, tables built on first use). A graph replay
+    reads nothing of the kind, so only replays overlap."""
     if not _branch_streams:
         return
     current = torch.cuda.current_stream()
