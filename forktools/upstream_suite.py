@@ -1,14 +1,17 @@
 """Upstream's own unit tests against the fork: what passes on the pristine pinned release must pass
-on the fork.
+on the fork, and the fork's own tests (the series') must pass there.
 
 The fork's `sglang/multimodal_gen/test/unit/` (upstream's tests plus the series' own) runs first.
 The tests that failed there (whole modules where one failed to import) run again on the pristine
 tree, and those that pass there run again on the fork, as one selection (usually none: a rerun of
-the same selection on both sides keeps order effects out of the comparison, and only a test that
-passes on pristine can be a regression); a test that passes on pristine but not in the fork's rerun
-is a regression. Tests that fail on both (no GPU, a package the environment lacks) are counted and
-not the fork's doing. All runs use HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back
-at once instead of after retries, the same way on both sides.
+the same selection on both sides keeps order effects out of the comparison); a test that passes on
+pristine but not in the fork's rerun is a regression. Tests that fail on both (no GPU, a package
+the environment lacks) are counted and not the fork's doing. A test that failed in the fork's
+suite and that pristine lacks (its file, or the test in its file) is the fork's own: nothing on
+pristine can excuse it, and it is a regression too (e.g. a later patch breaking an earlier
+patch's tests, which `forktools review` runs only with the patches up to their own). All runs use
+HF_HUB_OFFLINE=1: tests that would try the Hub fail or fall back at once instead of after
+retries, the same way on both sides.
 """
 
 from __future__ import annotations
@@ -75,12 +78,25 @@ def run_pytest(root: Path, targets: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
 
 
-def _start_unit_tests(root: Path, targets: list[str], junit: Path) -> subprocess.Popen:
+SELECT_PLUGIN_DIR = Path(__file__).with_name("pytest_plugins")
+
+
+def _start_unit_tests(
+    root: Path, targets: list[str], junit: Path, select: Path | None = None
+) -> subprocess.Popen:
     """A pytest run that goes on past modules failing to import and writes each test's
-    outcome to `junit`."""
+    outcome to `junit`; with `select`, only the tests of `targets` (files) that the file
+    `select` names (forktools_select)."""
     options = ["--continue-on-collection-errors", f"--junitxml={junit}"]
+    if select is not None:
+        options += ["-p", "forktools_select"]
     command, env = pytest_command(root, targets, *options)
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    if select is not None:
+        env.update(
+            FORKTOOLS_SELECT=str(select),
+            PYTHONPATH=os.pathsep.join([env["PYTHONPATH"], str(SELECT_PLUGIN_DIR)]),
+        )
     return subprocess.Popen(
         command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -91,14 +107,19 @@ class SuiteComparison:
     fork: dict[str, str]  # the whole suite
     pristine_rerun: dict[str, str]  # the tests that failed there, on pristine
     fork_rerun: dict[str, str]  # those that pass on pristine, again on the fork
+    fork_only: list[str] = dataclasses.field(default_factory=list)  # failed, pristine lacks
 
     @property
     def regressions(self) -> list[str]:
-        """Pass on pristine, fail or go missing (a collection error) on the fork."""
+        """Pass on pristine, fail or go missing (a collection error) on the fork; or only
+        the fork has them and they failed in its suite."""
         return sorted(
-            test_id
-            for test_id, outcome in self.pristine_rerun.items()
-            if outcome == OK and self.fork_rerun.get(test_id) != OK
+            [
+                test_id
+                for test_id, outcome in self.pristine_rerun.items()
+                if outcome == OK and self.fork_rerun.get(test_id) != OK
+            ]
+            + self.fork_only
         )
 
     @property
@@ -116,8 +137,8 @@ class SuiteComparison:
         }
         lines = [
             f"fork: {counts[OK]} passed, {counts[SKIPPED]} skipped, {counts[FAILED]} failed "
-            f"(failing on pristine too: {len(self.failing_on_both)}); regressions: "
-            f"{len(self.regressions)}"
+            f"(failing on pristine too: {len(self.failing_on_both)}; pristine lacking: "
+            f"{len(self.fork_only)}); regressions: {len(self.regressions)}"
         ]
         lines += [f"  REGRESSION {test_id}" for test_id in self.regressions]
         return "\n".join(lines)
@@ -127,37 +148,63 @@ def compare_with_pristine(fork_root: Path, pristine_root: Path) -> SuiteComparis
     """Run the fork's unit tests, the failed ones on pristine, and those that pass there on
     the fork again."""
     with tempfile.TemporaryDirectory() as tmp:
-        junit = {
-            name: Path(tmp) / f"{name}.xml" for name in ("fork", "rerun", "pristine")
+        fork = _run_unit_tests(fork_root, None, Path(tmp) / "fork")
+        failed = [test_id for test_id, had in fork.items() if had == FAILED]
+        # where pristine lacks a failed test's file, only the fork has the test
+        on_pristine = {
+            test_id: target
+            for test_id in failed
+            if (target := _rerun_target(fork_root, test_id)) is not None
+            and (pristine_root / target.split("::")[0]).is_file()
         }
-        _start_unit_tests(fork_root, [UNIT_TESTS], junit["fork"]).wait()
-        fork = _outcomes(junit["fork"])
-        targets = _rerun_targets(fork, FAILED, fork_root, also_under=pristine_root)
-        if not targets:
-            return SuiteComparison(fork, {}, {})
-        _start_unit_tests(pristine_root, targets, junit["pristine"]).wait()
-        pristine = _outcomes(junit["pristine"])
-        # where the fork lacks a test's file, it is missing there: a regression without a rerun
-        targets = _rerun_targets(pristine, OK, fork_root)
-        if not targets:
-            return SuiteComparison(fork, pristine, {})
-        _start_unit_tests(fork_root, targets, junit["rerun"]).wait()
-        return SuiteComparison(fork, pristine, _outcomes(junit["rerun"]))
-
-
-def _rerun_targets(
-    outcomes: dict[str, str], outcome: str, root: Path, also_under: Path | None = None
-) -> list[str]:
-    """What pytest takes to run the tests of `outcomes` that had `outcome` again under
-    `root` (and `also_under`, where that has their files too)."""
-    return sorted(
-        {
+        pristine = _run_unit_tests(
+            pristine_root, on_pristine.values(), Path(tmp) / "pristine"
+        )
+        fork_only = [
+            test_id
+            for test_id in failed
+            if test_id not in on_pristine
+            or not _had(pristine, test_id, on_pristine[test_id])
+        ]
+        # where the fork lacks a test, it is missing there: a regression without a rerun
+        again = [
             target
-            for test_id, had in outcomes.items()
-            if had == outcome
-            and (target := _rerun_target(root, test_id)) is not None
-            and (also_under is None or (also_under / target.split("::")[0]).is_file())
-        }
+            for test_id, had in pristine.items()
+            if had == OK and (target := _rerun_target(fork_root, test_id))
+        ]
+        rerun = _run_unit_tests(fork_root, again, Path(tmp) / "rerun")
+        return SuiteComparison(fork, pristine, rerun, sorted(fork_only))
+
+
+def _run_unit_tests(root: Path, selection, files: Path) -> dict[str, str]:
+    """The outcomes of the unit tests under `root`: all of them (`selection` None), else
+    those `selection` names (node ids, or test files for all their tests), where a name the
+    tree lacks selects nothing. `files`: the stem of the run's files."""
+    junit = files.with_suffix(".xml")
+    if selection is None:
+        _start_unit_tests(root, [UNIT_TESTS], junit).wait()
+        return _outcomes(junit)
+    selection = sorted(set(selection))
+    if not selection:
+        return {}
+    select = files.with_suffix(".select")
+    select.write_text("\n".join(selection) + "\n")
+    targets = sorted({target.split("::")[0] for target in selection})
+    _start_unit_tests(root, targets, junit, select).wait()
+    return _outcomes(junit)
+
+
+def _had(outcomes: dict[str, str], test_id: str, target: str) -> bool:
+    """Whether a run of `target` (`test_id`'s rerun target) with `outcomes` had the test:
+    the test itself, or its module failing to import; for a module that failed to import
+    in the fork's suite (the whole file as target), any of its tests."""
+    file = target.split("::")[0]
+    module = file.removesuffix(".py").replace("/", ".")
+    if target != file:
+        return test_id in outcomes or f"{module}::{module}" in outcomes
+    return any(
+        (name := had.split("::")[0]) == module or name.startswith(module + ".")
+        for had in outcomes
     )
 
 

@@ -1,5 +1,6 @@
 """Upstream's own unit suite stays green: every test of sglang/multimodal_gen/test/unit that passes on
-the pristine pinned release passes on the installed fork (`python -m forktools upstream-suite`, which
+the pristine pinned release passes on the installed fork, and so does every test there that only
+the fork has (`python -m forktools upstream-suite`, which
 tests/conftest.py starts when this test is collected, so that it runs beside the other tests)."""
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def _unit_tests(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def test_only_a_test_that_passes_on_pristine_can_regress(tmp_path):
-    """The comparison on two stand-in trees: failing on both is counted, failing (or not
-    importing) only on the fork is a regression, a test only the fork has is not compared."""
+def test_a_regression_passes_on_pristine_or_is_the_forks_own(tmp_path):
+    """The comparison on two stand-in trees: failing on both is counted, not a regression;
+    failing (or not importing) only on the fork is one; so is a failing test that only the
+    fork has (in a file of its own, or added to one of upstream's: pristine's rerun runs on
+    without it), and the fork's own passing tests are not."""
     passes = "def test_{}():\n    pass\n".format
     fails = "def test_{}():\n    assert False\n".format
     pristine = _unit_tests(
@@ -46,16 +49,22 @@ def test_only_a_test_that_passes_on_pristine_can_regress(tmp_path):
     fork = _unit_tests(
         tmp_path / "fork",
         {
-            "test_a.py": passes("ok") + fails("bad") + fails("broken"),
+            "test_a.py": passes("ok") + fails("bad") + fails("broken") + fails("added"),
             "test_b.py": "import not_a_module\n" + passes("ok"),
-            "test_new.py": fails("new"),
+            "test_new.py": passes("new_ok") + fails("new"),
         },
     )
     comparison = compare_with_pristine(fork, pristine)
     module = UNIT_TESTS.replace("/", ".")
     assert comparison.regressions == [
+        f"{module}.test_a::test_added",
         f"{module}.test_a::test_broken",
         f"{module}.test_b::test_ok",
+        f"{module}.test_new::test_new",
     ]
     assert comparison.failing_on_both == [f"{module}.test_a::test_bad"]
-    assert "regressions: 2" in comparison.summary()
+    assert comparison.fork_only == [
+        f"{module}.test_a::test_added",
+        f"{module}.test_new::test_new",
+    ]
+    assert "pristine lacking: 2); regressions: 4" in comparison.summary()
