@@ -107,7 +107,8 @@ class SuiteComparison:
     fork: dict[str, str]  # the whole suite
     pristine_rerun: dict[str, str]  # the tests that failed there, on pristine
     fork_rerun: dict[str, str]  # those that pass on pristine, again on the fork
-    fork_only: list[str] = dataclasses.field(default_factory=list)  # failed, pristine lacks
+    # failed in the fork's suite, and pristine lacks them
+    fork_only: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def regressions(self) -> list[str]:

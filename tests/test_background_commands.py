@@ -12,7 +12,8 @@ import tests.conftest as shared
     "options, started",
     [
         ([], ["a", "b"]),
-        (["-k", "test_b"], ["b"]),  # collected, then deselected: test_a's command stays off
+        # test_a is collected, then deselected: its command stays off
+        (["-k", "test_b"], ["b"]),
         (["--deselect", "test_ab.py::test_b"], ["a"]),
         (["--collect-only"], []),
     ],

@@ -10,6 +10,8 @@ import os
 def pytest_collection_modifyitems(config, items):
     with open(os.environ["FORKTOOLS_SELECT"]) as f:
         wanted = set(f.read().splitlines())
-    chosen = [item.nodeid in wanted or item.nodeid.split("::")[0] in wanted for item in items]
+    chosen = [
+        item.nodeid in wanted or item.nodeid.split("::")[0] in wanted for item in items
+    ]
     config.hook.pytest_deselected(items=[i for i, c in zip(items, chosen) if not c])
     items[:] = [i for i, c in zip(items, chosen) if c]
