@@ -17,7 +17,6 @@ output of the branches in turn at the same step.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -50,39 +49,18 @@ def main() -> int:
             ]
         },
         "branches at once (as the denoising stage runs them)": {},
-        "control: at once from one graph pool": {(torch.cuda, "graph_pool_handle"): one_pool},
+        "control: at once from one graph pool": {
+            (torch.cuda, "graph_pool_handle"): one_pool
+        },
     }
-    originals = {key: getattr(*key) for patches in variants.values() for key in patches}
     result = {"script": "benchmark/probe_cfg_streams.py", "argv": sys.argv[1:]}
     result["graphs"] = graphs is not None
-    times = {name: [] for name in variants}
-    outputs = {name: {} for name in variants}
-    for round_ in range(args.rounds):
-        for name, patches in variants.items():
-            for key, value in originals.items():
-                setattr(*key, patches.get(key, value))
-            shared_pool.clear()
-            if graphs is not None:
-                graphs.state = None  # as after an update: the next call drops every graph
-            for i in range(3):  # first sight eager, second capture: then replays
-                step(i)
-            times[name].append(speed.time_steps(step, 0, args.steps, device))
-            if round_ == 0:
-                for i in range(args.steps):
-                    outputs[name][i] = step(i).detach().cpu()
-    for key, value in originals.items():
-        setattr(*key, value)
-    in_turn = outputs["branches in turn"]
+    runs = speed.interleaved_variants(
+        step, model, device, variants, args, reset=shared_pool.clear
+    )
     result["variants"] = {
-        name: {
-            "step_ms_median": round(statistics.median(sum(runs, [])), 2),
-            "round_medians_ms": [round(statistics.median(r), 2) for r in runs],
-            "steps_equal_to_in_turn": sum(
-                bool(torch.equal(out, in_turn[i])) for i, out in outputs[name].items()
-            ),
-            "steps_compared": len(outputs[name]),
-        }
-        for name, runs in times.items()
+        name: speed.variant_summary(run, runs["branches in turn"])
+        for name, run in runs.items()
     }
     result["versions"] = gpu_common.versions()
     args.out.write_text(json.dumps(result, indent=1))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -62,7 +61,9 @@ def node_priorities(graph_handle: int) -> dict:
     histogram: dict = {}
     for node in nodes:
         kind = ctypes.c_int(-1)
-        _check(cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "type")
+        _check(
+            cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "type"
+        )
         if kind.value != KERNEL_NODE:
             continue
         value = (ctypes.c_int * 16)()
@@ -172,43 +173,26 @@ def main() -> int:
         ]
     if device != "cuda":  # the driver's graph API needs CUDA
         variants = {k: v for k, v in variants.items() if not k.startswith("node")}
-    originals = {key: getattr(*key) for patches in variants.values() for key in patches}
     result = {"script": "benchmark/probe_side_stream.py", "argv": sys.argv[1:]}
     result["graphs"] = graphs is not None
-    times = {name: [] for name in variants}
-    outputs, profiles = {}, {}
-    for round_ in range(args.rounds):
-        for name, patches in variants.items():
-            for key, value in originals.items():
-                setattr(*key, patches.get(key, value))
-            for block in model.transformer_blocks:
-                block.__dict__.pop("_probe_modulation", None)
-            if graphs is not None:
-                # as after an update: the next call drops every graph
-                graphs.state = None
-            # first sight eager, second capture: then replays
-            for i in range(3):
-                step(i)
-            times[name].append(speed.time_steps(step, 0, args.steps, device))
-            if round_ == 0:
-                outputs[name] = step(0).detach().cpu()
-                profile = speed.profile_step(step, model, device, annotate=False)
-                profiles[name] = {
-                    k: profile.get(k)
-                    for k in ("profiled_step_wall_ms", "kernel_time_ms", "device_timeline")
-                }
-    for key, value in originals.items():
-        setattr(*key, value)
-    reference_output = outputs["one stream"]
+
+    def reset():
+        for block in model.transformer_blocks:
+            block.__dict__.pop("_probe_modulation", None)
+
+    runs = speed.interleaved_variants(
+        step, model, device, variants, args, reset=reset, profile=True
+    )
     result["variants"] = {
         name: {
-            "step_ms_median": round(statistics.median(sum(runs, [])), 2),
-            "round_medians_ms": [round(statistics.median(r), 2) for r in runs],
-            "equal_to_one_stream": bool(torch.equal(outputs[name], reference_output)),
+            **speed.variant_summary(run, runs["one stream"]),
             "kernel_node_priorities": priorities_seen.get(name, [])[:2],
-            "profile": profiles[name],
+            "profile": {
+                k: run["profile"].get(k)
+                for k in ("profiled_step_wall_ms", "kernel_time_ms", "device_timeline")
+            },
         }
-        for name, runs in times.items()
+        for name, run in runs.items()
     }
     result["versions"] = gpu_common.versions()
     args.out.write_text(json.dumps(result, indent=1))

@@ -138,7 +138,12 @@ def family(name: str) -> str:
 
 
 def gpu_lora_state(
-    config: dict, rank: int, alpha: float, device, seed: int = 0, family: str = "qwen-image"
+    config: dict,
+    rank: int,
+    alpha: float,
+    device,
+    seed: int = 0,
+    family: str = "qwen-image",
 ) -> dict:
     """train_parity.reference.random_lora_state's distribution, generated on the device."""
     import diffusers
@@ -166,7 +171,9 @@ def make_inputs(config: dict, grid: tuple[int, int], txt: dict, device, batch: i
 
     g = torch.Generator(device=device).manual_seed(7)
     h, w = grid
-    latents = torch.randn(batch, h * w, config["in_channels"], generator=g, device=device)
+    latents = torch.randn(
+        batch, h * w, config["in_channels"], generator=g, device=device
+    )
     text = {
         k: torch.randn(
             batch, n, config["joint_attention_dim"], generator=g, device=device
@@ -386,7 +393,9 @@ def time_pipelined(step_fn, first: int, steps: int) -> float:
     import torch
 
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True
+    )
     start.record()
     for i in range(steps):
         step_fn(first + i)
@@ -522,10 +531,78 @@ def build_probe_dit(args):
     )
     grid = (8, 8) if args.tiny else (64, 64)
     txt = TXT_LEN_TINY if args.tiny else TXT_LEN
-    model_dir = gpu_common.write_config_only_model_dir(args.workdir / "qwen-image", config)
+    model_dir = gpu_common.write_config_only_model_dir(
+        args.workdir / "qwen-image", config
+    )
     model, _ = build_fork("train_parity", config, model_dir, device)
 
     return model, fork_step_fn(model, config, grid, txt, device), device
+
+
+def interleaved_variants(
+    step, model, device, variants, args, *, reset=None, profile=False
+):
+    """Runs the probe DiT's CFG ``step`` under each of ``variants`` (a name and the
+    attributes it patches, ``{(owner, name): value}``), their rounds interleaved:
+    per round and variant the patches are set, ``reset`` runs, every CUDA graph is
+    dropped (as after an update), three steps run (first sight eager, capture,
+    replay), then ``args.steps`` steps are timed waited for, and on CUDA as many
+    issued back to back. Per variant: its round times, back-to-back means, the
+    first round's step outputs (on the CPU) and, with ``profile``, one profiled
+    step. The patched attributes are restored at the end."""
+    graphs = model.__dict__.get("forward")
+    originals = {key: getattr(*key) for patches in variants.values() for key in patches}
+    runs = {name: {"times": [], "back_to_back": [], "outputs": {}} for name in variants}
+    try:
+        for round_ in range(args.rounds):
+            for name, patches in variants.items():
+                for key, value in originals.items():
+                    setattr(*key, patches.get(key, value))
+                if reset is not None:
+                    reset()
+                if graphs is not None:
+                    graphs.state = None  # the next call drops every graph
+                for i in range(3):
+                    step(i)
+                run = runs[name]
+                run["times"].append(time_steps(step, 0, args.steps, device))
+                if device == "cuda":
+                    run["back_to_back"].append(time_pipelined(step, 0, args.steps))
+                if round_ == 0:
+                    for i in range(args.steps):
+                        run["outputs"][i] = step(i).detach().cpu()
+                    if profile:
+                        run["profile"] = profile_step(
+                            step, model, device, annotate=False
+                        )
+    finally:
+        for key, value in originals.items():
+            setattr(*key, value)
+    return runs
+
+
+def variant_summary(run: dict, reference: dict) -> dict:
+    """A variant's step times and how many of its step outputs equal ``reference``'s
+    (an ``interleaved_variants`` run each)."""
+    import torch
+
+    summary = {
+        "step_ms_median": round(statistics.median(sum(run["times"], [])), 2),
+        "round_medians_ms": [round(statistics.median(r), 2) for r in run["times"]],
+        "steps_equal": sum(
+            bool(torch.equal(out, reference["outputs"][i]))
+            for i, out in run["outputs"].items()
+        ),
+        "steps_compared": len(run["outputs"]),
+    }
+    if run["back_to_back"]:
+        summary["back_to_back_ms_median"] = round(
+            statistics.median(run["back_to_back"]), 2
+        )
+        summary["back_to_back_round_means_ms"] = [
+            round(t, 2) for t in run["back_to_back"]
+        ]
+    return summary
 
 
 def fork_step_fn(model, config, grid, txt, device, batch=1):
@@ -748,7 +825,9 @@ def qwen21_inputs(config: dict, grid: tuple[int, int], device):
     h, w = grid
     latents = torch.randn(1, h * w, config["in_channels"], generator=g, device=device)
     text = {
-        k: torch.randn(1, n, config["context_in_dim"], generator=g, device=device).bfloat16()
+        k: torch.randn(
+            1, n, config["context_in_dim"], generator=g, device=device
+        ).bfloat16()
         for k, n in TXT_LEN.items()
     }
     return latents, text
@@ -765,7 +844,11 @@ def qwen21_fork_step_fn(model, config, grid, device):
     latents, text = qwen21_inputs(config, grid, device)
     latents = latents.bfloat16()
     layouts = {
-        k: [build_layout([False] * t.shape[1], [(1, *grid)], config["axes_dims_rope"], device)]
+        k: [
+            build_layout(
+                [False] * t.shape[1], [(1, *grid)], config["axes_dims_rope"], device
+            )
+        ]
         for k, t in text.items()
     }
     # the default path fills its prefix K/V at the first step and reuses them for the request
@@ -812,7 +895,9 @@ def build_qwen21_diffusers(config: dict, device: str):
     half = time_proj.freqs.numel()
     steps = torch.arange(start=0, end=half, dtype=torch.float32)
     time_proj.freqs = torch.exp(-math.log(10000) * steps / half).to(device)
-    state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family="qwen-image-2.1")
+    state = gpu_lora_state(
+        config, LORA_RANK, LORA_ALPHA, device, family="qwen-image-2.1"
+    )
     inject_lora(model, state, LORA_RANK, LORA_ALPHA, qwen_image21.LORA_TARGETS)
     del state
     for param in model.parameters():
@@ -833,7 +918,9 @@ def qwen21_diffusers_step_fn(model, config, grid, device):
         with torch.no_grad(), cuda_autocast(device):
             outs = {}
             for k, t in text.items():
-                img_mask = torch.zeros(1, t.shape[1] + n // 4, dtype=torch.bool, device=device)
+                img_mask = torch.zeros(
+                    1, t.shape[1] + n // 4, dtype=torch.bool, device=device
+                )
                 img_mask[:, t.shape[1] :] = True
                 outs[k] = model(
                     hidden_states=latents,
@@ -925,7 +1012,9 @@ def build_ltx2_reference(config: dict, device: str):
         ):
             params.pop(ltx2.ltx_core_name(name)).copy_(tensor)
     if params:
-        raise RuntimeError(f"ltx-core parameters without a weight: {sorted(params)[:4]}")
+        raise RuntimeError(
+            f"ltx-core parameters without a weight: {sorted(params)[:4]}"
+        )
     state = gpu_lora_state(config, LORA_RANK, LORA_ALPHA, device, family="ltx-2")
     inject_lora(model, state, LORA_RANK, LORA_ALPHA, ltx2.LORA_TARGETS)
     del state
@@ -1005,7 +1094,9 @@ def main() -> int:
 
         config = dict(QWEN_IMAGE_21, num_layers=layers)
         if args.tiny:
-            config.update(attention_head_dim=32, num_attention_heads=2, context_in_dim=48)
+            config.update(
+                attention_head_dim=32, num_attention_heads=2, context_in_dim=48
+            )
             config.update(axes_dims_rope=(8, 12, 12))
         grid = (8, 8) if args.tiny else (64, 64)
         shape = {
@@ -1035,7 +1126,9 @@ def main() -> int:
 
         config = dict(WAN_14B, num_layers=layers)
         if args.tiny:
-            config.update(num_attention_heads=2, attention_head_dim=24, text_dim=32, ffn_dim=96)
+            config.update(
+                num_attention_heads=2, attention_head_dim=24, text_dim=32, ffn_dim=96
+            )
         clip = WAN_CLIP_TINY if args.tiny else WAN_CLIP
         shape = {"video": "x".join(map(str, clip)), "text_tokens": WAN_TEXT_LEN}
         model_dir = gpu_common.write_config_only_model_dir(
@@ -1091,7 +1184,9 @@ def main() -> int:
     step_outputs = {}
     variants = args.variants.split(",")
     train_parity_variants = [v for v in variants if v.startswith("train_parity")]
-    kept = None  # (model, step, info, graphed forward) shared by the train_parity variants
+    kept = (
+        None  # (model, step, info, graphed forward) shared by the train_parity variants
+    )
     for variant in variants:
         t0 = time.monotonic()
         entry: dict = {}
@@ -1117,12 +1212,16 @@ def main() -> int:
                 step = qwen21_diffusers_step_fn(model, config, grid, args.device)
             elif variant == "diffusers":
                 model, info = build_diffusers(config, args.device)
-                step = diffusers_step_fn(model, config, grid, txt, args.device, args.batch)
+                step = diffusers_step_fn(
+                    model, config, grid, txt, args.device, args.batch
+                )
             elif variant in train_parity_variants and kept is not None:
                 model, step, info, graphed = kept
                 info = dict(info, shares_model_with=train_parity_variants[0])
             else:
-                numerics = "train_parity" if variant.startswith("train_parity") else variant
+                numerics = (
+                    "train_parity" if variant.startswith("train_parity") else variant
+                )
                 model, info = build_fork(
                     numerics, config, model_dir, args.device, harness, args.family
                 )
@@ -1133,7 +1232,9 @@ def main() -> int:
                 elif args.family == "qwen-image-2.1":
                     step = qwen21_fork_step_fn(model, config, grid, args.device)
                 else:
-                    step = fork_step_fn(model, config, grid, txt, args.device, args.batch)
+                    step = fork_step_fn(
+                        model, config, grid, txt, args.device, args.batch
+                    )
                 if variant in train_parity_variants:
                     graphed = model.__dict__.get("forward")  # the loader's graph replay
                     kept = (model, step, info, graphed)
@@ -1175,7 +1276,11 @@ def main() -> int:
                 )
             # one step's CFG output, for the bitwise comparison of the variants
             step_outputs[variant] = step(0).detach().cpu()
-            if args.extra_shapes and args.family == "qwen-image" and variant != "default":
+            if (
+                args.extra_shapes
+                and args.family == "qwen-image"
+                and variant != "default"
+            ):
                 entry["extra_shapes"] = {}
                 for extra in args.extra_shapes.split(","):
                     side, batch = (int(v) for v in extra.split("x"))
@@ -1233,7 +1338,9 @@ def main() -> int:
                 "max_ulp": ulp_distance(out, step_outputs[(trainer, k[1])]),
             }
             for k, out in step_outputs.items()
-            if isinstance(k, tuple) and k[0] != trainer and (trainer, k[1]) in step_outputs
+            if isinstance(k, tuple)
+            and k[0] != trainer
+            and (trainer, k[1]) in step_outputs
         }
     med = {k: e.get("step_ms_median") for k, e in v.items()}
     add_floor_ratios(v)

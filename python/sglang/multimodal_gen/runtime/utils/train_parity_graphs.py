@@ -21,7 +21,9 @@ contiguous CUDA tensors, or with inputs the DiT's
 The branches of a CFG step (``run_cfg_branches``) run on streams of their
 own, so that their replays overlap on the GPU: each issuing stream has its
 own graphs, graph pool and capture stream, and an eager forward on a branch
-stream starts after the other branches' work.
+stream starts after the other branches' work. The branches after one that
+replayed take the state it read instead of reading it again: between them
+only the step's own code runs, and a replay changes nothing the state holds.
 
 ``SGLANG_TRAIN_PARITY_CUDA_GRAPH=0`` turns it off.
 """
@@ -142,6 +144,8 @@ class ExactShapeGraphs:
         self.graphs: OrderedDict[Any, _Graph | None] = OrderedDict()
         self.seen: set = set()
         self.state: tuple | None = None
+        # the state a replay in the running CFG step read, for its later branches
+        self.step_state: tuple | None = None
         self.tree_state = _ModuleTreeState(dit)
         # per issuing stream: graphs replayed at once must not share memory
         self.pools: dict[int, Any] = {}
@@ -165,9 +169,14 @@ class ExactShapeGraphs:
                 self.seen.add(key)
                 return self._eager(args, kwargs)
             _after_other_branches()
+            self.step_state = None
             self.graphs[key] = self._capture(leaves, spec)
             if len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
+        elif _branch_streams:
+            # A replay runs no Python of the DiT, so the next branch of this
+            # CFG step finds the state this one read.
+            self.step_state = state
         self.graphs.move_to_end(key)
         graph = self.graphs[key]
         if graph is None:
@@ -176,6 +185,7 @@ class ExactShapeGraphs:
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
         _after_other_branches()
+        self.step_state = None
         return self.eager_forward(*args, **kwargs)
 
     def _capture(self, leaves: list, spec) -> _Graph | None:
@@ -234,6 +244,8 @@ class ExactShapeGraphs:
         graph cannot stand for the forward (hooks, parameters off the GPU)."""
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return None
+        if self.step_state is not None:
+            return self.step_state
         return self.tree_state.read()
 
 
@@ -288,6 +300,7 @@ def run_cfg_branches(dit: nn.Module, branches: list[Callable[[], Any]]) -> list:
     main = torch.cuda.current_stream()
     streams = [_branch_stream(main.device, i) for i in range(len(branches))]
     results = []
+    dit.forward.step_state = None
     try:
         for stream, branch in zip(streams, branches):
             stream.wait_stream(main)
@@ -296,6 +309,7 @@ def run_cfg_branches(dit: nn.Module, branches: list[Callable[[], Any]]) -> list:
                 results.append(branch())
     finally:
         _branch_streams.clear()
+        dit.forward.step_state = None
         for stream in streams:
             main.wait_stream(stream)
     # the branches' outputs are read on the current stream from here on

@@ -214,13 +214,33 @@ def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(monkeypatc
             for out, inputs in zip(outs, pair):
                 assert not compare or torch.equal(out, eager_forward(**inputs))
 
+    reads = []
+    read = graphs.tree_state.read
+    monkeypatch.setattr(
+        graphs.tree_state, "read", lambda: reads.append(1) or read()
+    )
     with torch.no_grad():
         run((7, 7))
         run((7, 11))
+        # a step whose branches replay reads the DiT's state once
+        reads.clear()
+        run((7, 11))
+        assert len(reads) == 4
     # each branch stream replays graphs of its own from a pool of its own, also
     # for two prompts of one length
     assert len(graphs.graphs) == 3
     assert len(graphs.pools) == 2
+    with torch.no_grad():
+        # a weight update between steps is read by the next step; control: a
+        # step that reads no state replays the old weights
+        weight = dit.proj_out.weight
+        weight.data = weight.data * 1.5
+        run((7, 11))
+        monkeypatch.setattr(graphs.tree_state, "read", lambda: graphs.state)
+        weight.data = weight.data * 1.5
+        with pytest.raises(AssertionError):
+            run((7, 11))
+    monkeypatch.setattr(graphs.tree_state, "read", read)
     # control: keyed without the stream, the two branches share one graph (whose
     # replays at once overwrite each other's inputs, so outputs are not compared)
     monkeypatch.setattr(train_parity_graphs, "_current_stream_id", lambda: None)
