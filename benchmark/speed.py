@@ -514,7 +514,9 @@ def probe_args(description: str, workdir: str):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path(workdir))
     parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 def build_probe_dit(args):
