@@ -4,6 +4,7 @@ against the tree holding it and its predecessors, and nothing later."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from forktools.series import UPSTREAM_PREFIX, Patch, read_series, upstream_path
 from forktools.style import style_problems
 from forktools.tree import TREE_PACKAGE_DIR, export_upstream_diffs
 from forktools.upstream import Pin
-from forktools.upstream_suite import run_pytest
+from forktools.upstream_suite import forked_pytest
 
 UNIT_TESTS = "python/sglang/multimodal_gen/test/unit/"
 
@@ -52,7 +53,7 @@ def _touched(diff_path: Path) -> list[str]:
     ]
 
 
-def _run_tests(repo: Path, tests: list[str]) -> tuple[bool, str]:
+def _run_tests(run_pytest, repo: Path, tests: list[str]) -> tuple[bool, str]:
     result = run_pytest(
         repo / TREE_PACKAGE_DIR, [t.removeprefix(UPSTREAM_PREFIX) for t in tests]
     )
@@ -66,7 +67,9 @@ def review_series(
     unpacked pinned wheel, holding `sglang/`)."""
     reviews = []
     patches: list[Patch] = read_series()
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        run_pytest = stack.enter_context(forked_pytest()) if run_tests else None
         repo = Path(tmp) / "upstream"
         shutil.copytree(
             pristine_package / pin.package, repo / TREE_PACKAGE_DIR / pin.package
@@ -97,7 +100,9 @@ def review_series(
                     rel, before[rel], (repo / rel).read_text()
                 )
             if run_tests and review.tests:
-                review.tests_passed, review.test_output = _run_tests(repo, review.tests)
+                review.tests_passed, review.test_output = _run_tests(
+                    run_pytest, repo, review.tests
+                )
     return reviews
 
 

@@ -5,12 +5,19 @@ tests/conftest.py starts when this test is collected, so that it runs beside the
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from forktools.upstream_suite import UNIT_TESTS, compare_with_pristine
+from forktools.upstream_suite import (
+    UNIT_TESTS,
+    _outcomes,
+    compare_with_pristine,
+    forked_pytest,
+    run_pytest,
+)
 from tests.conftest import background_output
 
 
@@ -68,3 +75,38 @@ def test_a_regression_passes_on_pristine_or_is_the_forks_own(tmp_path):
         f"{module}.test_new::test_new",
     ]
     assert "pristine lacking: 2); regressions: 4" in comparison.summary()
+
+
+RECORDS_ITS_PROCESS = """import json, os, sys
+
+
+def test_records_its_process():
+    record = dict(cwd=os.getcwd(), path=sys.path, argv=sys.argv, env=dict(os.environ))
+    with open(os.path.join(os.environ["RECORD_DIR"], "record.json"), "w") as f:
+        json.dump(record, f)
+
+
+def test_fails():
+    assert False
+"""
+
+
+def test_a_forked_pytest_run_is_a_fresh_one(tmp_path, monkeypatch):
+    """forked_pytest (forktools review's runs) against run_pytest on a stand-in tree: the same
+    exit status, outcomes, working directory, sys.path, sys.argv and environment."""
+    root = _unit_tests(tmp_path / "tree", {"test_process.py": RECORDS_ITS_PROCESS})
+    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
+    record, junit = tmp_path / "record.json", tmp_path / "junit.xml"
+    runs = {}
+    with forked_pytest(preload=("pytest",)) as forked:
+        for name, run in (("fresh", run_pytest), ("forked", forked)):
+            result = run(root, [UNIT_TESTS], f"--junitxml={junit}")
+            assert "1 failed, 1 passed" in result.stdout, result.stdout
+            runs[name] = (
+                result.returncode,
+                _outcomes(junit),
+                json.loads(record.read_text()),
+            )
+            record.unlink()
+    assert runs["forked"] == runs["fresh"]
+    assert runs["fresh"][0] == 1
