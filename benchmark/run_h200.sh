@@ -183,6 +183,9 @@ for line in open(sys.argv[1]):
 for key, n in sorted(seen.items(), key=str):
     print(n, "x", " | ".join(str(k) for k in key))
 PY
+    # what the train_parity server's DiT ran: its startup lines and how many graphs it captured
+    grep -h -E "fused kernels on|replays CUDA graphs" "$OUT/demo-logs/server-train_parity.log" | cut -c1-160
+    echo "train_parity server: $(grep -c "captured a CUDA graph" "$OUT/demo-logs/server-train_parity.log") CUDA graphs captured"
     # the server logs' errors, if any
     grep -h -E "Traceback|Error|error:" "$OUT"/demo-logs/server-*.log 2>/dev/null | grep -v "^\[server_harness\]" | sort | uniq -c | sort -rn | head -20
 fi
