@@ -216,9 +216,7 @@ def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(monkeypatc
 
     reads = []
     read = graphs.tree_state.read
-    monkeypatch.setattr(
-        graphs.tree_state, "read", lambda: reads.append(1) or read()
-    )
+    monkeypatch.setattr(graphs.tree_state, "read", lambda: reads.append(1) or read())
     with torch.no_grad():
         run((7, 7))
         run((7, 11))
