@@ -117,7 +117,7 @@ def _lora_b_gelu_looped_kernel():
     import triton
     import triton.language as tl
 
-    from sglang.kernels.ops.diffusion.gemm.lora_b_scale_add_triton import _gelu_tanh
+    from benchmark.probe_base_gemm import _gelu_tanh
 
     @triton.jit
     def kernel(

@@ -150,11 +150,11 @@ def main() -> int:
         (side_stream, "_side_stream"): functools.cache(functools.partial(stream_of, -1))
     }
     variants = {
-        "side stream, normal priority (as the DiT runs it)": {},
-        "side stream, high priority": high_side,
         "one stream": {
             (qwen_image, "SideStream"): functools.partial(SideStream, overlap=False)
         },
+        "side stream, normal priority (as the DiT runs it)": {},
+        "side stream, high priority": high_side,
         "node priority: side high": {
             **node_priority("node priority: side high"),
             **high_side,

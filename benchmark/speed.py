@@ -514,6 +514,10 @@ def probe_args(description: str, workdir: str):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path(workdir))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--variants",
+        help="comma-separated names of variants to run besides the first (default: all)",
+    )
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     return args
@@ -546,12 +550,22 @@ def interleaved_variants(
 ):
     """Runs the probe DiT's CFG ``step`` under each of ``variants`` (a name and the
     attributes it patches, ``{(owner, name): value}``), their rounds interleaved:
-    per round and variant the patches are set, ``reset`` runs, every CUDA graph is
-    dropped (as after an update), three steps run (first sight eager, capture,
-    replay), then ``args.steps`` steps are timed waited for, and on CUDA as many
+    per round and variant (all, or the first, which the probes compare the others
+    with, and those ``args.variants`` names) the patches are set, ``reset`` runs,
+    every CUDA graph is dropped (as after an update), three steps run (first
+    sight eager, capture, replay), then ``args.steps`` steps are timed waited for, and on CUDA as many
     issued back to back. Per variant: its round times, back-to-back means, the
     first round's step outputs (on the CPU) and, with ``profile``, one profiled
     step. The patched attributes are restored at the end."""
+    if args.variants:
+        names = args.variants.split(",")
+        unknown = set(names) - set(variants)
+        if unknown:
+            raise SystemExit(
+                f"unknown variants {sorted(unknown)}; known: {list(variants)}"
+            )
+        first = next(iter(variants))
+        variants = {name: variants[name] for name in [first, *names] if name}
     graphs = model.__dict__.get("forward")
     originals = {key: getattr(*key) for patches in variants.values() for key in patches}
     runs = {name: {"times": [], "back_to_back": [], "outputs": {}} for name in variants}

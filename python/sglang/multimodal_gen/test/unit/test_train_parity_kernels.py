@@ -316,12 +316,21 @@ _INTERPRETED = textwrap.dedent(
     lora_b = (torch.randn(cols, rank) * 0.1).bfloat16()
     out = torch.full_like(base, float("nan"))
     # The interpreter's tl.dot misreads BF16 operands (Triton 3.8): FP32 ones here.
-    # It has no libdevice, so the GELU epilogue is checked on CUDA only.
     lb._lora_b_scale_add_kernel[(triton.cdiv(rows, 128), triton.cdiv(cols, 128))](
-        out, base, down.float(), lora_b.float(), 1.5, rows, cols, RANK=rank,
+        out, base, down.float(), lora_b.float(), out, 1.5, rows, cols, RANK=rank,
         GELU_TANH=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=16)
-    assert close(out, base + torch.nn.functional.linear(down, lora_b) * 1.5)
+    summed = base + torch.nn.functional.linear(down, lora_b) * 1.5
+    assert close(out, summed)
     assert not close(out, base + torch.nn.functional.linear(down, lora_b.flip(1)) * 1.5)
+    # the GELU looks the BF16 sum up by its bits; control: the table with its halves
+    # swapped (each value reads the GELU of its negation) fails
+    table = lb.gelu_tanh_table(torch.device("cpu"))
+    for gelu_table, equal in ((table, True), (table.roll(2**15), False)):
+        lb._lora_b_scale_add_kernel[(triton.cdiv(rows, 128), triton.cdiv(cols, 128))](
+            out, base, down.float(), lora_b.float(), gelu_table, 1.5, rows, cols,
+            RANK=rank, GELU_TANH=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=16)
+        gelu = torch.nn.functional.gelu(summed.bfloat16(), approximate="tanh")
+        assert close(out, gelu) == equal
 
     # The base GEMM kernel, persistent (fewer programs than tiles), with one and two
     # epilogue parts; the interpreter reads BF16 tensor descriptors wrongly (Triton

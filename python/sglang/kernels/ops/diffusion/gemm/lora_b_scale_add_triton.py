@@ -15,30 +15,40 @@ against cuBLAS for ranks 16 to 128:
   the eager chain before trusting it (``BitExactFusionGate``).
 - ``* scale``: FP32 product with the Python float as FP32, rounded to BF16.
 - ``base + ...``: FP32 sum rounded to BF16.
-- ``F.gelu(..., approximate="tanh")``: aten's FP32 formula, with the
-  ``x + kappa * x^3`` that nvcc contracts into one FMA and libdevice's
-  ``tanhf``, rounded to BF16. ``tanhf`` is data dependent, so callers check
-  it on every BF16 input, not only on the first call's data.
+- ``F.gelu(..., approximate="tanh")``: its input is the BF16 sum, so its
+  output depends on those 16 bits alone; the kernel looks it up in a table of
+  aten's own GELU of every BF16 value, computed once per device
+  (``gelu_tanh_table``). The table is the function, where an FP32 formula
+  would have to reproduce nvcc's FMA contraction and libdevice's ``tanhf``
+  instruction for instruction, and costs one cached load per element in
+  place of some thirty FP32 instructions. Callers still check the lookup on
+  every BF16 input.
 
 The update is never written to memory: the kernel reads ``base`` once and
 writes the result once, where the eager chain writes the update, reads it
 back with ``base`` and writes the sum (and GELU reads and writes it again).
 """
 
+import functools
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 _RANK_STEP = 16
 _MAX_RANK = 128
 
 
-@triton.jit
-def _gelu_tanh(x):
-    # aten's GeluCUDAKernelImpl (tanh): beta * (x + kappa * x^3), contracted
-    inner = 0.7978845608028654 * tl.fma(0.044715, x * x * x, x)
-    return 0.5 * x * (1.0 + libdevice.tanh(inner))
+@functools.cache
+def gelu_tanh_table(device: torch.device) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` of every BF16 ``x``, indexed by the
+    bits of ``x`` read as an unsigned 16-bit integer."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the GELU table is built outside CUDA-graph capture")
+    bits = torch.arange(2**16, dtype=torch.int32, device=device)
+    values = torch.where(bits < 2**15, bits, bits - 2**16).to(torch.int16)
+    return F.gelu(values.view(torch.bfloat16), approximate="tanh")
 
 
 @triton.jit(do_not_specialize=["n_rows", "scale"])
@@ -47,6 +57,7 @@ def _lora_b_scale_add_kernel(
     base_ptr,
     down_ptr,
     lora_b_ptr,
+    gelu_table_ptr,
     scale,
     n_rows,
     n_cols,
@@ -81,14 +92,15 @@ def _lora_b_scale_add_kernel(
     base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     out = (base + scaled).to(tl.bfloat16)
     if GELU_TANH:
-        out = _gelu_tanh(out.to(tl.float32)).to(tl.bfloat16)
+        bits = out.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        out = tl.load(gelu_table_ptr + bits, mask=mask)
     tl.store(out_ptr + offsets, out, mask=mask)
 
 
 def _tiles(gelu_tanh: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): the fastest on H200 at Qwen-Image's
     shapes (77 to 8192 rows, widths 3072 and 12288, rank 64). Each of 15 tile
-    choices gave the same bits; the GELU's ``tanhf`` wants smaller tiles."""
+    choices gave the same bits."""
     return (32, 64, 64, 4) if gelu_tanh else (64, 128, 64, 4)
 
 
@@ -141,6 +153,7 @@ def lora_b_scale_add_bf16(
             base,
             down,
             lora_B,
+            gelu_tanh_table(base.device) if gelu_tanh else out,
             scale,
             n_rows,
             n_cols,
