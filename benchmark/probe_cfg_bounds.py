@@ -13,14 +13,12 @@ replayed from CUDA graphs, its branches at once (``run_cfg_branches``), timed
   would leave),
 * with the joint attention's V ``torch.cat`` left out (an uninitialised joint
   buffer: what writing V straight into it would leave),
-* with all three left out,
-* with the LoRA-B + GELU kernel's tiles of its no-GELU form (64 x 128; the
-  GELU's 32 x 64 were chosen when it evaluated ``tanhf``, before its table).
+* with all three left out.
 
 A bound computes wrong outputs (the modulations are right only at the first
-timestep), so only times are compared for them; the tile variant's outputs
-are compared bitwise with the runtime's. The rounds are interleaved
-(``speed.interleaved_variants``).
+timestep), so only times are compared; the rounds are interleaved
+(``speed.interleaved_variants``). Run 42 (results.md) also timed the
+LoRA-B + GELU kernel at other tiles with this probe as of cdd8b61.
 
     python3 benchmark/probe_cfg_bounds.py --out $OUT/cfg_bounds.json
 """
@@ -40,7 +38,6 @@ def main() -> int:
     model, step, device = speed.build_probe_dit(args)
     import torch
 
-    from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton
     from sglang.multimodal_gen.runtime.layers import train_parity_kernels
     from sglang.multimodal_gen.runtime.models.dits import qwen_image
 
@@ -80,9 +77,6 @@ def main() -> int:
         "as the runtime runs it": {},
         **bounds,
         "all three": {k: v for patches in bounds.values() for k, v in patches.items()},
-        "LoRA-B + GELU kernel with 64x128 tiles": {
-            (lora_b_scale_add_triton, "_tiles"): lambda gelu_tanh: (64, 128, 64, 4)
-        },
     }
 
     def reset():

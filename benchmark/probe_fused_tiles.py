@@ -5,7 +5,7 @@ per-block shapes, each checked bitwise against its eager chain and timed by CUDA
     python3 benchmark/probe_fused_tiles.py --out /tmp/tiles.json
 
 Prints one line per case and writes a JSON summary. The chosen tiles are the defaults of
-lora_b_scale_add_triton._tiles and qknorm_complex_rope_joint_triton._ROWS;
+lora_b_scale_add_triton._TILES and qknorm_complex_rope_joint_triton._ROWS;
 the unit tests check the defaults over many shapes.
 """
 
