@@ -25,12 +25,11 @@ which a tile sums its K blocks.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark import gpu_common, speed  # noqa: E402
+from benchmark import speed  # noqa: E402
 
 
 def main() -> int:
@@ -72,17 +71,14 @@ def main() -> int:
             )
         },
     }
-    result = {"script": "benchmark/probe_cfg_at_once.py", "argv": sys.argv[1:]}
-    result["graphs"] = model.__dict__.get("forward") is not None
     runs = speed.interleaved_variants(step, model, device, variants, args)
-    result["variants"] = {
-        name: speed.variant_summary(run, runs["as the runtime runs it"])
-        for name, run in runs.items()
-    }
-    result["gates"] = train_parity_kernels.gate_states()
-    result["versions"] = gpu_common.versions()
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["variants"], indent=1))
+    speed.write_probe_result(
+        args,
+        "benchmark/probe_cfg_at_once.py",
+        runs,
+        graphs=model.__dict__.get("forward") is not None,
+        gates=train_parity_kernels.gate_states(),
+    )
     return 0
 
 

@@ -25,12 +25,11 @@ LoRA-B + GELU kernel at other tiles with this probe as of cdd8b61.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark import gpu_common, speed  # noqa: E402
+from benchmark import speed  # noqa: E402
 
 
 def main() -> int:
@@ -83,15 +82,8 @@ def main() -> int:
         for block in model.transformer_blocks:
             block.__dict__.pop("_probe_modulation", None)
 
-    result = {"script": "benchmark/probe_cfg_bounds.py", "argv": sys.argv[1:]}
     runs = speed.interleaved_variants(step, model, device, variants, args, reset=reset)
-    result["variants"] = {
-        name: speed.variant_summary(run, runs["as the runtime runs it"])
-        for name, run in runs.items()
-    }
-    result["versions"] = gpu_common.versions()
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["variants"], indent=1))
+    speed.write_probe_result(args, "benchmark/probe_cfg_bounds.py", runs)
     return 0
 
 

@@ -16,12 +16,11 @@ output of the branches in turn at the same step.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmark import gpu_common, speed  # noqa: E402
+from benchmark import speed  # noqa: E402
 
 
 def main() -> int:
@@ -53,18 +52,12 @@ def main() -> int:
             (torch.cuda, "graph_pool_handle"): one_pool
         },
     }
-    result = {"script": "benchmark/probe_cfg_streams.py", "argv": sys.argv[1:]}
-    result["graphs"] = graphs is not None
     runs = speed.interleaved_variants(
         step, model, device, variants, args, reset=shared_pool.clear
     )
-    result["variants"] = {
-        name: speed.variant_summary(run, runs["branches in turn"])
-        for name, run in runs.items()
-    }
-    result["versions"] = gpu_common.versions()
-    args.out.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["variants"], indent=1))
+    speed.write_probe_result(
+        args, "benchmark/probe_cfg_streams.py", runs, graphs=graphs is not None
+    )
     return 0
 
 

@@ -621,6 +621,22 @@ def variant_summary(run: dict, reference: dict) -> dict:
     return summary
 
 
+def write_probe_result(args, script: str, runs: dict, **extra) -> None:
+    """Writes a probe's ``interleaved_variants`` runs to ``args.out`` (each variant's
+    ``variant_summary`` against the first variant, plus ``extra``) and prints the
+    summaries."""
+    import json
+
+    reference = next(iter(runs.values()))
+    result = {"script": script, "argv": sys.argv[1:], **extra}
+    result["variants"] = {
+        name: variant_summary(run, reference) for name, run in runs.items()
+    }
+    result["versions"] = gpu_common.versions()
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["variants"], indent=1))
+
+
 def fork_step_fn(model, config, grid, txt, device, batch=1):
     """One CFG step of the fork's DiT, its cond and uncond forwards run as the
     denoising stage runs them (``run_cfg_branches``: at once on two streams where
