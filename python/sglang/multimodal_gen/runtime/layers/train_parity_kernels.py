@@ -288,10 +288,9 @@ _GELU_TANH_CHECKED: set[torch.device] = set()
 
 
 def _check_gelu_tanh_on_every_bf16(device: torch.device) -> None:
-    """The GELU epilogue computes or looks up each BF16 input's GELU by its
-    value, so one call's data cannot prove it: it runs once per device on
-    every finite BF16 value, through the kernel with a zero update, against
-    aten's GELU."""
+    """The GELU epilogue looks each BF16 input up in a table, so one call's
+    data cannot prove it: it runs once per device on every finite BF16 value,
+    through the kernel with a zero update, against aten's GELU."""
     if device in _GELU_TANH_CHECKED:
         return
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device)

@@ -354,8 +354,8 @@ _INTERPRETED = textwrap.dedent(
             TensorDescriptor.from_tensor(weight, [64, 32]), bias,
             TensorDescriptor.from_tensor(out, [64, 64 // parts]),
             TensorDescriptor.from_tensor(down, [64, rank]),
-            TensorDescriptor.from_tensor(lora_b, [64 // parts, rank]), bias,
-            rows, cols, inner, 1.5, programs, GELU_TANH=False, BLOCK_M=64, BLOCK_N=64,
+            TensorDescriptor.from_tensor(lora_b, [64 // parts, rank]),
+            rows, cols, inner, 1.5, programs, BLOCK_M=64, BLOCK_N=64,
             BLOCK_K=32, GROUP_M=2, EPILOGUE_PARTS=parts, WARP_SPECIALIZE=False)
         assert close(out, expected)
         assert not close(out, linear(x, weight, bias.flip(0)) + linear(down, lora_b) * 1.5)

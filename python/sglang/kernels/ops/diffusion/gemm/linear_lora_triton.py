@@ -31,8 +31,6 @@ import triton.language as tl
 from sglang.kernels.ops.diffusion.gemm.lora_b_scale_add_triton import (
     _MAX_RANK,
     _RANK_STEP,
-    gelu_tanh_bf16,
-    gelu_tanh_table,
 )
 
 
@@ -43,13 +41,11 @@ def _store_tile_part(
     out_desc,
     down_desc,
     lora_b_desc,
-    gelu_table_ptr,
     off_m,
     off_n,
     n_cols,
     scale,
     BLOCK_N: tl.constexpr,
-    GELU_TANH: tl.constexpr,
 ):
     dtype = out_desc.dtype
     cols = off_n + tl.arange(0, BLOCK_N)
@@ -59,8 +55,6 @@ def _store_tile_part(
     update = update.to(dtype).to(tl.float32)
     scaled = (update * scale).to(dtype).to(tl.float32)
     out = (base.to(tl.float32) + scaled).to(dtype)
-    if GELU_TANH:
-        out = gelu_tanh_bf16(out, gelu_table_ptr, (cols < n_cols)[None, :])
     out_desc.store([off_m, off_n], out)
 
 
@@ -72,13 +66,11 @@ def _linear_lora_kernel(
     out_desc,
     down_desc,
     lora_b_desc,
-    gelu_table_ptr,
     n_rows,
     n_cols,
     n_inner,
     scale,
     num_programs,
-    GELU_TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -114,13 +106,11 @@ def _linear_lora_kernel(
                 out_desc,
                 down_desc,
                 lora_b_desc,
-                gelu_table_ptr,
                 off_m,
                 off_n,
                 n_cols,
                 scale,
                 BLOCK_N // 2,
-                GELU_TANH,
             )
             _store_tile_part(
                 right,
@@ -128,13 +118,11 @@ def _linear_lora_kernel(
                 out_desc,
                 down_desc,
                 lora_b_desc,
-                gelu_table_ptr,
                 off_m,
                 off_n + BLOCK_N // 2,
                 n_cols,
                 scale,
                 BLOCK_N // 2,
-                GELU_TANH,
             )
         else:
             _store_tile_part(
@@ -143,13 +131,11 @@ def _linear_lora_kernel(
                 out_desc,
                 down_desc,
                 lora_b_desc,
-                gelu_table_ptr,
                 off_m,
                 off_n,
                 n_cols,
                 scale,
                 BLOCK_N,
-                GELU_TANH,
             )
 
 
@@ -217,12 +203,11 @@ def linear_lora_bf16(
     down: torch.Tensor,
     lora_B: torch.Tensor,
     scale: float,
-    gelu_tanh: bool = False,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias) + F.linear(down, lora_B) * scale``, through
-    tanh GELU if ``gelu_tanh``, for operands that ``can_use_linear_lora``
-    takes. ``tiles`` overrides the tile choice (``Tiles``)."""
+    """``F.linear(x, weight, bias) + F.linear(down, lora_B) * scale`` for
+    operands that ``can_use_linear_lora`` takes. ``tiles`` overrides the tile
+    choice (``Tiles``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if not can_use_linear_lora(x, weight, bias, down, lora_B):
@@ -252,13 +237,11 @@ def linear_lora_bf16(
             TensorDescriptor.from_tensor(out.view(n_rows, n_cols), [block_m, part_n]),
             TensorDescriptor.from_tensor(down.view(n_rows, rank), [block_m, rank]),
             TensorDescriptor.from_tensor(lora_B, [part_n, rank]),
-            gelu_tanh_table(x.device) if gelu_tanh else bias,
             n_rows,
             n_cols,
             n_inner,
             scale,
             num_programs,
-            GELU_TANH=gelu_tanh,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
