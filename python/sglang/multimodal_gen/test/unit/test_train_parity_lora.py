@@ -93,6 +93,17 @@ def test_forward_is_pefts_unmerged_forward(kind, masters):
     assert not torch.equal((base.float() + delta).to(BF16), expected)
 
 
+def test_the_factors_are_held_where_the_base_weight_is(masters):
+    """An update arrives as host tensors; the layer keeps bf16 copies on the
+    base weight's device (here meta, standing in for the GPU), so that no
+    forward copies them there."""
+    layer = _lora_layer(ReplicatedLinear, masters)
+    layer.base_layer.to("meta")
+    layer.set_lora_weights(masters.lora_A, masters.lora_B, merge_weights=False)
+    for factor in (layer.lora_A, layer.lora_B):
+        assert factor.is_meta and factor.dtype == BF16
+
+
 @pytest.mark.parametrize(
     "kind", [ColumnParallelLinear, RowParallelLinear, ReplicatedLinear]
 )
