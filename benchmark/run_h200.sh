@@ -185,7 +185,13 @@ for key, n in sorted(seen.items(), key=str):
 PY
     # what the train_parity server's DiT ran: its startup lines and how many graphs it captured
     grep -h -E "fused kernels on|replays CUDA graphs" "$OUT/demo-logs/server-train_parity.log" | cut -c1-160
-    echo "train_parity server: $(grep -c "captured a CUDA graph" "$OUT/demo-logs/server-train_parity.log") CUDA graphs captured"
+    captured=$(grep -c "captured a CUDA graph" "$OUT/demo-logs/server-train_parity.log")
+    echo "train_parity server: $captured CUDA graphs captured"
+    # Qwen-Image's DiT replays graphs from a rollout's second step on: none captured is a failure
+    # (run 46: every forward ran eagerly; GRAPH_DIAG=<file> says why, demo_site/graph_diag.py)
+    if [ "${DEMO_MODEL_ID:-Qwen-Image}" = Qwen-Image ] && [ "$captured" -eq 0 ]; then
+        echo "ERROR: the train_parity Qwen-Image server captured no CUDA graph"; rc=1
+    fi
     # the server logs' errors, if any
     grep -h -E "Traceback|Error|error:" "$OUT"/demo-logs/server-*.log 2>/dev/null | grep -v "^\[server_harness\]" | sort | uniq -c | sort -rn | head -20
 fi

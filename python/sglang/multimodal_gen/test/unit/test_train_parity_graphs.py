@@ -14,11 +14,15 @@ from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
 from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.runtime.layers.lora.linear import wrap_with_lora_layer
+from sglang.multimodal_gen.runtime.layers.lora.linear import (
+    replace_submodule,
+    wrap_with_lora_layer,
+)
 from sglang.multimodal_gen.runtime.models.dits.qwen_image import (
     QwenImageTransformer2DModel,
 )
 from sglang.multimodal_gen.runtime.utils import train_parity_graphs
+from sglang.multimodal_gen.runtime.utils.train_parity import numerics_mode_context
 from sglang.multimodal_gen.test.unit.test_qwen_image_train_parity import (
     _tiny_dit as tiny_qwen_dit,
 )
@@ -128,6 +132,41 @@ def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
     assert tree.read() is None
     handle.remove()
     assert tree.read() == state
+
+
+def _with_lora_update_from_host(dit: QwenImageTransformer2DModel):
+    """One LoRA'd linear, its update sent as the weight updater sends it:
+    fp32 host tensors."""
+    name = "transformer_blocks.0.attn.to_q"
+    with numerics_mode_context("train_parity"):
+        layer = wrap_with_lora_layer(dit.get_submodule(name))
+    replace_submodule(dit, name, layer)
+    layer.lora_rank, layer.lora_alpha = 4, 8
+    out_features, in_features = layer.weight.shape
+    generator = torch.Generator().manual_seed(0)
+    layer.set_lora_weights(
+        torch.randn(4, in_features, generator=generator) / 8,
+        torch.randn(out_features, 4, generator=generator) / 8,
+        merge_weights=False,
+    )
+    return layer
+
+
+@needs_cuda
+def test_a_lora_update_sent_from_the_host_replays():
+    dit = _tiny_dit("cuda")
+    layer = _with_lora_update_from_host(dit)
+    eager_forward = dit.forward
+    train_parity_graphs.install(dit)
+    with torch.no_grad():
+        inputs = _inputs(dit, "cuda", 0)
+        for _ in range(3):
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        assert len(dit.forward.graphs) == 1
+        # control: a factor on the host, which every forward would copy, keeps
+        # the forward out of graphs
+        layer.lora_A = torch.nn.Parameter(layer.lora_A.data.cpu())
+        assert dit.forward._state() is None
 
 
 @needs_cuda
