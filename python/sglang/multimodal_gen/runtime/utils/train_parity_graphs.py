@@ -14,9 +14,9 @@ read again (its module tree, parameter and buffer storage, each LoRA layer's
 enabled and merged flags, the runtime LoRA scale); when any of it has
 changed, as after a weight or adapter update, every graph is dropped and
 captured anew. Calls a graph cannot replay exactly run eagerly: with
-autograd on, with module hooks installed, with tensors that are not
-contiguous CUDA tensors, or with inputs the DiT's
-``train_parity_graph_replayable`` refuses.
+autograd on, with module hooks installed, with tensors (inputs, parameters
+or buffers) that are not contiguous CUDA tensors, or with inputs the DiT's
+``train_parity_graph_replayable`` refuses; each reason is logged once.
 
 The branches of a CFG step (``run_cfg_branches``) run on streams of their
 own, so that their replays overlap on the GPU: each issuing stream has its
@@ -59,6 +59,13 @@ def _on_gpu(tensors: list[torch.Tensor]) -> bool:
     return all(map(attrgetter("is_cuda"), tensors))
 
 
+def _runs_eagerly(reason: str) -> None:
+    """None, for a call that runs the eager forward; logs why, once per reason."""
+    logger.info_once(
+        "train_parity: the DiT forward runs eagerly, without a CUDA graph: %s", reason
+    )
+
+
 class _ModuleTreeState:
     """Reads what a graph of ``root``'s forward depends on besides its inputs,
     in a few milliseconds for a 60-block DiT (the step waits for it before
@@ -93,12 +100,12 @@ class _ModuleTreeState:
         if self.children is None or self._children() != self.children:
             self._list_modules()
         if any(map(len, self.hook_dicts)):
-            return None
+            return _runs_eagerly("a module has forward hooks")
         tensors = list(
             filter(_not_none, chain.from_iterable(map(_values, self.tensor_dicts)))
         )
         if not _on_gpu(tensors):
-            return None
+            return _runs_eagerly("a parameter or buffer is not on the GPU")
         return (
             self.children,
             tuple(map(torch.Tensor.data_ptr, tensors)),
@@ -215,10 +222,12 @@ class ExactShapeGraphs:
         return graph
 
     def _key(self, leaves: list, spec, kwargs: dict) -> tuple | None:
-        if torch.is_grad_enabled() or not self.dit.train_parity_graph_replayable(
-            kwargs
-        ):
-            return None
+        if torch.is_grad_enabled():
+            return _runs_eagerly("autograd is on")
+        if not self.dit.train_parity_graph_replayable(kwargs):
+            return _runs_eagerly(
+                f"{type(self.dit).__name__} does not replay calls with these inputs"
+            )
         # a graph per issuing stream: one graph replayed at once on two streams
         # would share its inputs, outputs and memory
         key = [
@@ -229,13 +238,13 @@ class ExactShapeGraphs:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 if not (leaf.is_cuda and leaf.is_contiguous()):
-                    return None
+                    return _runs_eagerly("an input is not a contiguous CUDA tensor")
                 key.append((leaf.shape, leaf.dtype, leaf.device))
             else:
                 try:
                     hash(leaf)
                 except TypeError:
-                    return None
+                    return _runs_eagerly("an input is not hashable")
                 key.append(leaf)
         return tuple(key)
 
@@ -243,7 +252,7 @@ class ExactShapeGraphs:
         """What the captured graphs depend on besides their inputs; None where a
         graph cannot stand for the forward (hooks, parameters off the GPU)."""
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return None
+            return _runs_eagerly("global forward hooks are registered")
         if self.step_state is not None:
             return self.step_state
         return self.tree_state.read()

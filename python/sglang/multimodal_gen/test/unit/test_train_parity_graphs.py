@@ -5,6 +5,7 @@ CFG step's branches replayed at once on two streams."""
 
 import inspect
 from functools import partial
+from unittest.mock import MagicMock
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_only_a_dit_that_says_how_gets_graphs():
     assert inspect.unwrap(dit.forward) == eager_forward
 
 
-def test_calls_a_graph_cannot_replay_run_eagerly():
+def test_calls_a_graph_cannot_replay_run_eagerly(monkeypatch):
+    monkeypatch.setattr(train_parity_graphs, "logger", MagicMock())
     dit = _tiny_dit("cpu")
     graphs = train_parity_graphs.ExactShapeGraphs(dit)
     leaves, spec = [torch.zeros(2)], None
@@ -85,6 +87,15 @@ def test_calls_a_graph_cannot_replay_run_eagerly():
         assert graphs._key([1], spec, {}) is not None
     assert graphs._key([1], spec, {}) is None  # autograd on
     assert graphs._state() is None  # parameters on the CPU
+    # each refusal says why, in the log
+    reasons = [c.args[1] for c in train_parity_graphs.logger.info_once.call_args_list]
+    assert reasons == [
+        "an input is not a contiguous CUDA tensor",
+        "an input is not hashable",
+        "QwenImageTransformer2DModel does not replay calls with these inputs",
+        "autograd is on",
+        "a parameter or buffer is not on the GPU",
+    ]
 
 
 def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
