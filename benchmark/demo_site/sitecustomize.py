@@ -2,12 +2,9 @@
 (`sglang-train-parity demo --device cuda --server-site benchmark/demo_site`, what
 `bash benchmark/run_h200.sh demo` runs): every Python process there then installs
 benchmark/server_harness.py (sgl_kernel stand-ins that fail loudly, and the logged native
-fallbacks of the components outside the parity contract), and with GRAPH_DIAG=<file> set,
-benchmark/demo_site/graph_diag.py (why the DiT's calls replay CUDA graphs or not). The repository
-root is appended to
+fallbacks of the components outside the parity contract). The repository root is appended to
 sys.path, after every installed package, so that `benchmark` imports."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +15,3 @@ if _REPO not in sys.path:
 from benchmark import server_harness  # noqa: E402
 
 server_harness.install()
-
-if os.environ.get("GRAPH_DIAG"):
-    from benchmark.demo_site import graph_diag  # noqa: E402,F401
