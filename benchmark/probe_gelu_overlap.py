@@ -1,0 +1,99 @@
+"""H200 probe: Qwen-Image's MLP up-projection (3072 -> 12288, LoRA r64, tanh GELU) in
+``linear_lora_gelu_bf16`` (one persistent GEMM that finishes each tile while the MMAs of the
+program's next tile run) against the path it replaces, cuBLAS's GEMM and the LoRA-B + GELU
+kernel, and the base GEMM kernel without the GELU; over a few tile choices. Each output is
+checked bitwise against aten's chain and timed by CUDA-graph replay.
+
+    python3 benchmark/probe_gelu_overlap.py --out /tmp/gelu_overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmark import gpu_common  # noqa: E402
+from benchmark.probe_fused_tiles import DIM, MLP, graph_us  # noqa: E402
+
+RANK = 64
+GELU_TILES = [  # linear_lora_triton.GeluTiles; the first is the kernel's choice
+    (128, 256, 64, 8, 3, 8, 16),
+    (128, 256, 64, 8, 3, 8, 32),
+    (128, 256, 64, 8, 4, 8, 16),
+    (128, 128, 64, 8, 4, 8, 16),
+    (128, 128, 64, 8, 3, 4, 16),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="4096,8192,1024")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    gpu_common.setup("cuda", "off")
+    import torch
+    import torch.nn.functional as F
+
+    from sglang.kernels.ops.diffusion.gemm import linear_lora_triton as ll
+    from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton as lb
+    from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
+    from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
+
+    result = {"script": "benchmark/probe_gelu_overlap.py", "argv": sys.argv[1:], "cases": []}
+    torch.manual_seed(0)
+    for rows in map(int, args.rows.split(",")):
+        x = torch.randn(rows, DIM, device="cuda").bfloat16()
+        weight = (torch.randn(MLP, DIM, device="cuda") * DIM**-0.5).bfloat16()
+        bias = (torch.randn(MLP, device="cuda") * 0.02).bfloat16()
+        down = (torch.randn(rows, RANK, device="cuda") * 4).bfloat16()
+        lora_B = (torch.randn(MLP, RANK, device="cuda") * 0.02).bfloat16()
+        summed = eager.add_lora_up(F.linear(x, weight, bias), down, lora_B, 2.0)
+        gelu = F.gelu(summed, approximate="tanh")
+        timed = {
+            "cuBLAS GEMM": (lambda: F.linear(x, weight, bias), None),
+            "cuBLAS GEMM + LoRA-B + GELU kernel (the path replaced)": (
+                lambda: lb.lora_b_scale_add_bf16(
+                    F.linear(x, weight, bias), down, lora_B, 2.0, gelu_tanh=True
+                ),
+                gelu,
+            ),
+            "base GEMM kernel, no GELU": (
+                lambda: ll.linear_lora_bf16(x, weight, bias, down, lora_B, 2.0),
+                summed,
+            ),
+        }
+        for tiles in GELU_TILES:
+            timed["GELU kernel " + "x".join(map(str, tiles))] = (
+                lambda tiles=tiles: ll.linear_lora_gelu_bf16(
+                    x, weight, bias, down, lora_B, 2.0, tiles=tiles
+                ),
+                gelu,
+            )
+        case = {"rows": rows, "us": {}}
+        for name, (fn, expected) in timed.items():
+            try:
+                got = fn()
+                entry = {"us": round(graph_us(fn), 1)}
+                if expected is not None:
+                    entry["equal"] = bitwise_equal(got, expected)
+                    if not entry["equal"]:
+                        differ = got.view(torch.int16) != expected.view(torch.int16)
+                        entry["differing"] = int(differ.sum())
+            except Exception as e:  # a tile choice that does not compile
+                entry = {"error": f"{type(e).__name__}: {e}"[:300]}
+            case["us"][name] = entry
+            print(f"rows {rows} {name}: {entry}", flush=True)
+        result["cases"].append(case)
+    result["versions"] = gpu_common.versions()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
