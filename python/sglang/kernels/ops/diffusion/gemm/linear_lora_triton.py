@@ -68,6 +68,19 @@ def _store_tile_part(
     out_desc.store([off_m, off_n], out)
 
 
+@triton.jit
+def _tile_offsets(
+    tile, tiles_m, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+):
+    # GROUP_M row tiles share their column tiles of the weight in L2
+    group_tiles = GROUP_M * tiles_n
+    group = tile // group_tiles
+    group_m = min(tiles_m - group * GROUP_M, GROUP_M)
+    off_m = (group * GROUP_M + (tile % group_tiles) % group_m) * BLOCK_M
+    off_n = ((tile % group_tiles) // group_m) * BLOCK_N
+    return off_m, off_n
+
+
 @triton.jit(do_not_specialize=["n_rows", "scale", "num_programs"])
 def _linear_lora_kernel(
     x_desc,
@@ -90,7 +103,6 @@ def _linear_lora_kernel(
 ):
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
-    group_tiles = GROUP_M * tiles_n
     for tile in tl.range(
         tl.program_id(0),
         tiles_m * tiles_n,
@@ -98,11 +110,7 @@ def _linear_lora_kernel(
         flatten=True,
         warp_specialize=WARP_SPECIALIZE,
     ):
-        # GROUP_M row tiles share their column tiles of the weight in L2
-        group = tile // group_tiles
-        group_m = min(tiles_m - group * GROUP_M, GROUP_M)
-        off_m = (group * GROUP_M + (tile % group_tiles) % group_m) * BLOCK_M
-        off_n = ((tile % group_tiles) // group_m) * BLOCK_N
+        off_m, off_n = _tile_offsets(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, n_inner, BLOCK_K):
             acc = tl.dot(x_desc.load([off_m, k]), weight_desc.load([off_n, k]).T, acc)
@@ -208,17 +216,13 @@ def _linear_lora_gelu_kernel(
 ):
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
-    group_tiles = GROUP_M * tiles_n
     # the previous tile, finished during this one's first K steps; runtime
     # values, as the loop reassigns them
     prev_m = tl.program_id(0) * 0
     prev_n = prev_m
     has_prev = prev_m < 0
     for tile in range(tl.program_id(0), tiles_m * tiles_n, num_programs):
-        group = tile // group_tiles
-        group_m = min(tiles_m - group * GROUP_M, GROUP_M)
-        off_m = (group * GROUP_M + (tile % group_tiles) % group_m) * BLOCK_M
-        off_n = ((tile % group_tiles) // group_m) * BLOCK_N
+        off_m, off_n = _tile_offsets(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         prev_rows = prev_m + tl.arange(0, BLOCK_M)
         prev_down = _load_down(down_ptr, prev_rows, n_rows, has_prev, RANK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -273,6 +277,14 @@ def _tiles(n_rows: int) -> Tiles:
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_programs(
+    device: torch.device, n_rows: int, n_cols: int, block_m: int, block_n: int
+) -> int:
+    # persistent: one program per SM, at most one per tile
+    tiles = triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n)
+    return min(_num_sms(device), tiles)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -344,9 +356,7 @@ def linear_lora_bf16(
         tiles or _tiles(n_rows)
     )
     part_n = block_n // parts
-    num_programs = min(
-        _num_sms(x.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n)
-    )
+    num_programs = _num_programs(x.device, n_rows, n_cols, block_m, block_n)
     with torch.cuda.device(x.device):
         _linear_lora_kernel[(num_programs,)](
             TensorDescriptor.from_tensor(x2, [block_m, block_k]),
@@ -426,9 +436,7 @@ def linear_lora_gelu_bf16(
     n_rows = x2.shape[0]
     out = x.new_empty(*x.shape[:-1], n_cols)
     block_m, block_n, block_k, group_m, stages, warps, slice_n = tiles
-    num_programs = min(
-        _num_sms(x.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n)
-    )
+    num_programs = _num_programs(x.device, n_rows, n_cols, block_m, block_n)
     with torch.cuda.device(x.device):
         _linear_lora_gelu_kernel[(num_programs,)](
             TensorDescriptor.from_tensor(x2, [block_m, block_k]),
