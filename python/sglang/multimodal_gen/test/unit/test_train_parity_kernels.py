@@ -620,7 +620,9 @@ def test_linear_lora_kernel(shape, gelu_tanh):
     "gelu_tanh, cols, gate_name",
     [(False, 3072, LINEAR_LORA_UP), (True, 12288, LINEAR_LORA_UP_GELU)],
 )
-def test_linear_add_lora_up_takes_the_kernel_and_verifies_it(gelu_tanh, cols, gate_name):
+def test_linear_add_lora_up_takes_the_kernel_and_verifies_it(
+    gelu_tanh, cols, gate_name
+):
     inputs = _linear_inputs(4096, device="cuda", inner=3072, cols=cols, rank=64)
     with torch.no_grad():
         fused = train_parity_kernels.linear_add_lora_up(

@@ -70,7 +70,12 @@ def _store_tile_part(
 
 @triton.jit
 def _tile_offsets(
-    tile, tiles_m, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+    tile,
+    tiles_m,
+    tiles_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # GROUP_M row tiles share their column tiles of the weight in L2
     group_tiles = GROUP_M * tiles_n
@@ -171,9 +176,7 @@ def _scaled_update(down, lora_b_ptr, cols, n_cols, scale, RANK: tl.constexpr):
 
 
 @triton.jit
-def _finish_slice(
-    out_ptr, scaled, gelu_table_ptr, rows, cols, n_rows, n_cols, valid
-):
+def _finish_slice(out_ptr, scaled, gelu_table_ptr, rows, cols, n_rows, n_cols, valid):
     # GELU(RN(base + scaled)) over the stored base
     mask = valid & (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
@@ -234,7 +237,14 @@ def _linear_lora_gelu_kernel(
             k = s * BLOCK_K
             acc = tl.dot(x_desc.load([off_m, k]), weight_desc.load([off_n, k]).T, acc)
             _finish_slice(
-                out_ptr, scaled, gelu_table_ptr, prev_rows, cols, n_rows, n_cols, has_prev
+                out_ptr,
+                scaled,
+                gelu_table_ptr,
+                prev_rows,
+                cols,
+                n_rows,
+                n_cols,
+                has_prev,
             )
         for k in range(BLOCK_N // SLICE_N * BLOCK_K, n_inner, BLOCK_K):
             acc = tl.dot(x_desc.load([off_m, k]), weight_desc.load([off_n, k]).T, acc)
