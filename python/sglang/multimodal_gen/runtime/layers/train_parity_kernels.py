@@ -84,9 +84,6 @@ class SignatureGates:
 
 
 _LINEAR_LORA_UP = SignatureGates("train_parity base GEMM + LoRA-B GEMM + scale-and-add")
-_LINEAR_LORA_UP_GELU = SignatureGates(
-    "train_parity base GEMM + LoRA-B GEMM + scale-and-add + tanh GELU"
-)
 # Below this many rows cuBLAS's GEMM and the LoRA-B kernel were faster on H200:
 # the 512x512 Qwen-Image step (1024 rows) took 4 ms more kernel time with this
 # kernel, the 1024x1024 steps (4096 and 8192 rows) 2 to 4 and 3 ms less.
@@ -98,7 +95,6 @@ GATES = (
     _LORA_UP,
     _LORA_UP_GELU,
     _LINEAR_LORA_UP,
-    _LINEAR_LORA_UP_GELU,
 )
 
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -260,42 +256,27 @@ def linear_add_lora_up(
     down: torch.Tensor,
     lora_B: torch.Tensor,
     scaling: float,
-    gelu_tanh: bool = False,
 ) -> torch.Tensor:
     """``add_lora_up`` on the unquantized linear layer's output
-    ``apply_unquantized_linear(x, weight, bias)``, through
-    ``F.gelu(approximate="tanh")`` if ``gelu_tanh``; one kernel, the base GEMM
-    with the LoRA-B GEMM, the scale-and-add (and the GELU) as its epilogue,
-    for BF16 operands the kernel takes and at least ``_LINEAR_LORA_MIN_ROWS``
-    rows. cuBLAS picks its GEMM per shape (it splits K for a few rows), so the
-    kernel is compared with the eager chain per shape and a shape it differs
-    on keeps the eager chain."""
+    ``apply_unquantized_linear(x, weight, bias)``; one kernel, the base GEMM
+    with the LoRA-B GEMM and the scale-and-add as its epilogue, for BF16
+    operands the kernel takes and at least ``_LINEAR_LORA_MIN_ROWS`` rows.
+    cuBLAS picks its GEMM per shape (it splits K for a few rows), so the kernel
+    is compared with the eager chain per shape and a shape it differs on keeps
+    the eager chain."""
 
     def reference():
         out = apply_unquantized_linear(x, weight, bias)
-        return add_lora_up(out, down, lora_B, scaling, gelu_tanh=gelu_tanh)
+        return add_lora_up(out, down, lora_B, scaling)
 
-    can_use = (
-        kernels.can_use_linear_lora_gelu if gelu_tanh else kernels.can_use_linear_lora
-    )
     if not (
         _takes(x)
         and x.numel() >= _LINEAR_LORA_MIN_ROWS * x.shape[-1]
-        and can_use(x, weight, bias, down, lora_B)
+        and kernels.can_use_linear_lora(x, weight, bias, down, lora_B)
     ):
         return reference()
-    operands = (x, weight, bias, down, lora_B, scaling)
-    if not gelu_tanh:
-        fused = partial(kernels.linear_lora_bf16, *operands)
-        return _verified(_LINEAR_LORA_UP, fused, reference, x, weight, down, lora_B)
-
-    def fused_gelu():
-        _check_gelu_tanh_on_every_bf16(x.device)
-        return kernels.linear_lora_gelu_bf16(*operands)
-
-    return _verified(
-        _LINEAR_LORA_UP_GELU, fused_gelu, reference, x, weight, down, lora_B
-    )
+    fused = partial(kernels.linear_lora_bf16, x, weight, bias, down, lora_B, scaling)
+    return _verified(_LINEAR_LORA_UP, fused, reference, x, weight, down, lora_B)
 
 
 def _add_lora_up(out, down, lora_B, scaling, gelu_tanh):

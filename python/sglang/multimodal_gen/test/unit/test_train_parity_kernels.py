@@ -21,7 +21,6 @@ CUDA = torch.cuda.is_available()
 EAGER_GATED_RESIDUAL = train_parity_ops.gated_residual
 GATED_RESIDUAL = "train_parity gated residual"
 LINEAR_LORA_UP = "train_parity base GEMM + LoRA-B GEMM + scale-and-add"
-LINEAR_LORA_UP_GELU = LINEAR_LORA_UP + " + tanh GELU"
 
 
 @pytest.fixture(autouse=True)
@@ -164,55 +163,40 @@ def _linear_inputs(rows, device="cpu", inner=64, cols=48, rank=16):
     return x, weight, bias, down, lora_B
 
 
-def _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling, gelu_tanh=False):
+def _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling):
     out = torch.nn.functional.linear(x, weight, bias)
-    out = train_parity_ops.add_lora_up(out, down, lora_B, scaling)
-    return torch.nn.functional.gelu(out, approximate="tanh") if gelu_tanh else out
+    return train_parity_ops.add_lora_up(out, down, lora_B, scaling)
 
 
-@pytest.mark.parametrize(
-    "gelu_tanh, kernel_name, gate_name",
-    [
-        (False, "linear_lora_bf16", LINEAR_LORA_UP),
-        (True, "linear_lora_gelu_bf16", LINEAR_LORA_UP_GELU),
-    ],
-)
 def test_the_base_gemm_kernel_keeps_the_eager_chain_only_where_it_differs(
-    gelu_tanh, kernel_name, gate_name, monkeypatch
+    monkeypatch,
 ):
     """cuBLAS picks its GEMM per shape, so one shape's mismatch says nothing about
     another's: that shape runs the eager chain from then on, the others the kernel."""
     monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
     monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_MIN_ROWS", 1)
     monkeypatch.setattr(kernels, "can_use_linear_lora", lambda *operands: True)
-    monkeypatch.setattr(kernels, "can_use_linear_lora_gelu", lambda *operands: True)
-    # the GELU table's own check runs on CUDA
-    monkeypatch.setattr(
-        train_parity_kernels, "_GELU_TANH_CHECKED", {torch.device("cpu")}
-    )
 
     def stand_in(x, weight, bias, down, lora_B, scaling):
-        out = _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling, gelu_tanh)
+        out = _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling)
         if x.shape[1] == 7:
             out.view(torch.int16).view(-1)[0] += 1
         return out
 
     kernel = MagicMock(side_effect=stand_in)
-    monkeypatch.setattr(kernels, kernel_name, kernel)
+    monkeypatch.setattr(kernels, "linear_lora_bf16", kernel)
     for rows in (5, 7, 5, 7):
         inputs = _linear_inputs(rows)
-        out = train_parity_kernels.linear_add_lora_up(
-            *inputs, 0.75, gelu_tanh=gelu_tanh
-        )
-        assert torch.equal(out, _eager_linear_lora_up(*inputs, 0.75, gelu_tanh))
+        out = train_parity_kernels.linear_add_lora_up(*inputs, 0.75)
+        assert torch.equal(out, _eager_linear_lora_up(*inputs, 0.75))
     assert kernel.call_count == 3  # 5 rows: checked, then run; 7 rows: checked once
-    assert train_parity_kernels.gate_states()[gate_name] == {
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP] == {
         "disabled": False,
         "verified_signatures": 1,
         "differing_signatures": 1,
     }
     (message,), _ = train_parity_kernels.logger.warning_once.call_args
-    assert f"{gate_name} at (1, 7, 64)" in message
+    assert f"{LINEAR_LORA_UP} at (1, 7, 64)" in message
 
 
 def test_eager_joint_qk_norm_rope_is_the_attention_chain():
@@ -375,24 +359,6 @@ _INTERPRETED = textwrap.dedent(
             BLOCK_K=32, GROUP_M=2, EPILOGUE_PARTS=parts, WARP_SPECIALIZE=False)
         assert close(out, expected)
         assert not close(out, linear(x, weight, bias.flip(0)) + linear(down, lora_b) * 1.5)
-
-    # The GELU kernel: each program finishes its previous tile during the next
-    # one's first K steps (16 column slices of 16, K steps of 8, then 4 K steps
-    # without) and its last after its loop; one program, several, more than
-    # tiles. Control: the table with its halves swapped.
-    x, weight = torch.randn(rows, 160), torch.randn(cols, 160) * 0.1
-    gelu = torch.nn.functional.gelu(
-        (linear(x, weight, bias) + linear(down, lora_b) * 1.5).bfloat16(), approximate="tanh"
-    )
-    for gelu_table, equal in ((table, True), (table.roll(2**15), False)):
-        for programs in (1, 3, 12):
-            out = torch.full((rows, cols), float("nan")).bfloat16()
-            ll._linear_lora_gelu_kernel[(programs,)](
-                TensorDescriptor.from_tensor(x, [64, 8]),
-                TensorDescriptor.from_tensor(weight, [256, 8]), bias, out, down,
-                lora_b, gelu_table, rows, cols, 160, 1.5, programs, RANK=rank,
-                BLOCK_M=64, BLOCK_N=256, BLOCK_K=8, GROUP_M=2, SLICE_N=16)
-            assert close(out, gelu) == equal
     print("ok")
     """
 )
@@ -588,7 +554,6 @@ def test_lora_b_scale_add_gelu_tanh_kernel(shape):
     [
         (1, 4096, 3072, 3072),
         (1, 4096, 3072, 12288),
-        (2, 4096, 3072, 12288),
         (1, 4096, 12288, 3072),
         (2, 211, 3072, 3072),
         (2, 211, 12288, 3072),
@@ -596,42 +561,32 @@ def test_lora_b_scale_add_gelu_tanh_kernel(shape):
         (1, 333, 1024, 1000),
     ],
 )
-@pytest.mark.parametrize("gelu_tanh", [False, True])
-def test_linear_lora_kernel(shape, gelu_tanh):
+def test_linear_lora_kernel(shape):
     batch, rows, inner, cols = shape
     x = _adversarial_(torch.randn(batch, rows, inner, device="cuda")).to(BF16)
     weight = (torch.randn(cols, inner, device="cuda") * inner**-0.5).to(BF16)
     bias = (torch.randn(cols, device="cuda") * 0.1).to(BF16)
     down = _lora_down(batch * rows, 64).view(batch, rows, 64)
     lora_B = (torch.randn(cols, 64, device="cuda") * 0.02).to(BF16)
-    kernel = kernels.linear_lora_gelu_bf16 if gelu_tanh else kernels.linear_lora_bf16
-    fused = kernel(x, weight, bias, down, lora_B, 2.0)
-    eager = _eager_linear_lora_up(x, weight, bias, down, lora_B, 2.0, gelu_tanh)
+    eager = _eager_linear_lora_up(x, weight, bias, down, lora_B, 2.0)
+    fused = kernels.linear_lora_bf16(x, weight, bias, down, lora_B, 2.0)
     assert train_parity_kernels.bitwise_equal(fused, eager)
     # control: the same products summed over K in reverse order
     reversed_order = _eager_linear_lora_up(
-        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0, gelu_tanh
+        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0
     )
     assert not torch.equal(fused, reversed_order)
 
 
 @needs_cuda
-@pytest.mark.parametrize(
-    "gelu_tanh, cols, gate_name",
-    [(False, 3072, LINEAR_LORA_UP), (True, 12288, LINEAR_LORA_UP_GELU)],
-)
-def test_linear_add_lora_up_takes_the_kernel_and_verifies_it(
-    gelu_tanh, cols, gate_name
-):
-    inputs = _linear_inputs(4096, device="cuda", inner=3072, cols=cols, rank=64)
+def test_linear_add_lora_up_takes_the_kernel_and_verifies_it():
+    inputs = _linear_inputs(4096, device="cuda", inner=3072, cols=3072, rank=64)
     with torch.no_grad():
-        fused = train_parity_kernels.linear_add_lora_up(
-            *inputs, 2.0, gelu_tanh=gelu_tanh
-        )
+        fused = train_parity_kernels.linear_add_lora_up(*inputs, 2.0)
     assert train_parity_kernels.bitwise_equal(
-        fused, _eager_linear_lora_up(*inputs, 2.0, gelu_tanh)
+        fused, _eager_linear_lora_up(*inputs, 2.0)
     )
-    assert train_parity_kernels.gate_states()[gate_name] == {
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP] == {
         "disabled": False,
         "verified_signatures": 1,
         "differing_signatures": 0,
