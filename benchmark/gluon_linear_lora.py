@@ -151,9 +151,10 @@ def _mma_partition(
                 BLOCK_K,
                 GROUP_M,
             )
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        # the bias load's latency hides behind the last MMA
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         bias = gl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         base = (acc + bias.to(gl.float32)[None, :]).to(gl.bfloat16)
         mbarrier.wait(base_empty, (t & 1) ^ 1)
         base_smem.store(base)
