@@ -43,8 +43,12 @@ def _tile_offsets(
 @gluon.jit
 def _issue_loads(
     i,
-    total,
+    load_tile,
+    load_k,
+    my_tiles,
     k_tiles,
+    off_m,
+    off_n,
     x_desc,
     w_desc,
     a_bufs,
@@ -57,17 +61,32 @@ def _issue_loads(
     BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    # the loads of the program's i-th K step, counted over all of its tiles
+    # the loads of the program's i-th K step, counted over all of its tiles: K step load_k
+    # of its tile load_tile at (off_m, off_n); returns the next step's coordinates
     STAGES: gl.constexpr = a_bufs.shape[0]
-    tile = gl.program_id(0) + (i // k_tiles) * gl.num_programs(0)
-    off_m, off_n = _tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    k = (i % k_tiles) * BLOCK_K
     s = i % STAGES
-    pred = i < total
+    pred = load_tile < my_tiles
     bar = ready.index(s)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(s), pred)
-    tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, b_bufs.index(s), pred)
+    tma.async_copy_global_to_shared(
+        x_desc, [off_m, load_k * BLOCK_K], bar, a_bufs.index(s), pred
+    )
+    tma.async_copy_global_to_shared(
+        w_desc, [off_n, load_k * BLOCK_K], bar, b_bufs.index(s), pred
+    )
+    load_k += 1
+    if load_k == k_tiles:
+        load_k = 0
+        load_tile += 1
+        off_m, off_n = _tile_offsets(
+            gl.program_id(0) + load_tile * gl.num_programs(0),
+            n_rows,
+            n_cols,
+            BLOCK_M,
+            BLOCK_N,
+            GROUP_M,
+        )
+    return load_tile, load_k, off_m, off_n
 
 
 @gluon.jit
@@ -97,12 +116,20 @@ def _mma_partition(
     num_tiles = gl.cdiv(n_rows, BLOCK_M) * gl.cdiv(n_cols, BLOCK_N)
     k_tiles = gl.cdiv(n_inner, BLOCK_K)
     my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))
-    total = my_tiles * k_tiles
+    load_tile = 0
+    load_k = 0
+    load_m, load_n = _tile_offsets(
+        gl.program_id(0), n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M
+    )
     for first in gl.static_range(STAGES - 1):
-        _issue_loads(
+        load_tile, load_k, load_m, load_n = _issue_loads(
             first,
-            total,
+            load_tile,
+            load_k,
+            my_tiles,
             k_tiles,
+            load_m,
+            load_n,
             x_desc,
             w_desc,
             a_bufs,
@@ -115,6 +142,7 @@ def _mma_partition(
             BLOCK_K,
             GROUP_M,
         )
+    i = 0
     for t in range(my_tiles):
         off_m, off_n = _tile_offsets(
             gl.program_id(0) + t * gl.num_programs(0),
@@ -126,19 +154,22 @@ def _mma_partition(
         )
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
         for kk in range(k_tiles):
-            i = t * k_tiles + kk
-            mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
             s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             acc = warpgroup_mma(
                 a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # both warp groups are past step i - 1's MMA: its stage takes step i + STAGES - 1
             gl.thread_barrier()
-            _issue_loads(
+            load_tile, load_k, load_m, load_n = _issue_loads(
                 i + STAGES - 1,
-                total,
+                load_tile,
+                load_k,
+                my_tiles,
                 k_tiles,
+                load_m,
+                load_n,
                 x_desc,
                 w_desc,
                 a_bufs,
@@ -151,6 +182,7 @@ def _mma_partition(
                 BLOCK_K,
                 GROUP_M,
             )
+            i += 1
         # the bias load's latency hides behind the last MMA
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         bias = gl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0)

@@ -24,10 +24,8 @@ RANK = 64
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, SLICE_N, EPILOGUE_REGS); the first is the default
 GLUON_TILES = [
     (128, 256, 64, 8, 3, 64, 128),
+    (128, 256, 64, 16, 3, 64, 128),
     (128, 256, 32, 8, 6, 64, 128),
-    (128, 256, 32, 8, 5, 64, 128),
-    (128, 256, 32, 4, 6, 64, 128),
-    (128, 256, 64, 4, 3, 64, 128),
 ]
 
 
