@@ -369,6 +369,205 @@ def linear_lora_gelu_kernel(
     )
 
 
+@gluon.jit
+def _load_partition(
+    x_desc,
+    w_desc,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    n_rows,
+    n_cols,
+    n_inner,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    num_tiles = gl.cdiv(n_rows, BLOCK_M) * gl.cdiv(n_cols, BLOCK_N)
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+        for k in range(0, n_inner, BLOCK_K):
+            s = count % STAGES
+            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k], bar, b_bufs.index(s))
+            count += 1
+
+
+@gluon.jit
+def _mma_consumer_partition(
+    bias_ptr,
+    a_bufs,
+    b_bufs,
+    ready,
+    empty,
+    base_smem,
+    base_ready,
+    base_empty,
+    n_rows,
+    n_cols,
+    n_inner,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+):
+    # the MMA partition's K loop when a 1-warp partition issues the loads
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    NW: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    num_tiles = gl.cdiv(n_rows, BLOCK_M) * gl.cdiv(n_cols, BLOCK_N)
+    i = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, n_rows, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
+        for k in range(0, n_inner, BLOCK_K):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            acc = warpgroup_mma(
+                a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=k > 0)
+            i += 1
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        bias = gl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+        base = (acc + bias.to(gl.float32)[None, :]).to(gl.bfloat16)
+        mbarrier.wait(base_empty, (t & 1) ^ 1)
+        base_smem.store(base)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(base_ready)
+        t += 1
+
+
+@gluon.jit
+def linear_lora_gelu_producer_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    down_ptr,
+    lora_b_ptr,
+    gelu_table_ptr,
+    scale,
+    n_rows,
+    n_cols,
+    n_inner,
+    GROUP_M: gl.constexpr,
+    RANK: gl.constexpr,
+    SLICE_N: gl.constexpr,
+    GELU_TANH: gl.constexpr,
+    STAGES: gl.constexpr,
+    EPILOGUE_REGS: gl.constexpr,
+):
+    """``linear_lora_gelu_kernel`` with the loads on a 1-warp partition of their own and the
+    MMAs on one warp group (the kernel's 4 warps): 12 warps in all."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(
+        x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout
+    )
+    b_bufs = gl.allocate_shared_memory(
+        w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout
+    )
+    base_smem = gl.allocate_shared_memory(
+        out_desc.dtype, out_desc.block_type.shape, out_desc.layout
+    )
+    lora_b_smem = gl.allocate_shared_memory(
+        gl.bfloat16,
+        [SLICE_N, RANK],
+        gl.NVMMASharedLayout.get_default_for([SLICE_N, RANK], gl.bfloat16),
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    base_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    base_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(base_ready, count=1)
+    mbarrier.init(base_empty, count=1)
+    gl.warp_specialize(
+        [
+            (
+                _mma_consumer_partition,
+                (
+                    bias_ptr,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    base_smem,
+                    base_ready,
+                    base_empty,
+                    n_rows,
+                    n_cols,
+                    n_inner,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    GROUP_M,
+                ),
+            ),
+            (
+                _epilogue_partition,
+                (
+                    out_desc,
+                    down_ptr,
+                    lora_b_ptr,
+                    gelu_table_ptr,
+                    scale,
+                    base_smem,
+                    base_ready,
+                    base_empty,
+                    lora_b_smem,
+                    n_rows,
+                    n_cols,
+                    BLOCK_M,
+                    BLOCK_N,
+                    GROUP_M,
+                    RANK,
+                    SLICE_N,
+                    GELU_TANH,
+                ),
+            ),
+            (
+                _load_partition,
+                (
+                    x_desc,
+                    w_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready,
+                    empty,
+                    n_rows,
+                    n_cols,
+                    n_inner,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                    GROUP_M,
+                ),
+            ),
+        ],
+        [4, 1],
+        [EPILOGUE_REGS, 40],
+    )
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, SLICE_N, EPILOGUE_REGS)
 DEFAULT_TILES = (128, 256, 64, 8, 3, 64, 128)
 
@@ -401,6 +600,7 @@ def linear_lora_gelu_bf16(
     tiles=DEFAULT_TILES,
     num_sms=None,
     gelu_tanh=True,
+    producer=False,
 ):
     import torch
 
@@ -414,7 +614,8 @@ def linear_lora_gelu_bf16(
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = (min(num_sms, triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n)),)
-    linear_lora_gelu_kernel[grid](
+    kernel = linear_lora_gelu_producer_kernel if producer else linear_lora_gelu_kernel
+    kernel[grid](
         x_desc,
         w_desc,
         out_desc,
@@ -432,6 +633,6 @@ def linear_lora_gelu_bf16(
         GELU_TANH=gelu_tanh,
         STAGES=stages,
         EPILOGUE_REGS=epi_regs,
-        num_warps=8,
+        num_warps=4 if producer else 8,
     )
     return out

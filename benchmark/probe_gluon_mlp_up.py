@@ -21,11 +21,15 @@ from benchmark import gpu_common  # noqa: E402
 from benchmark.probe_fused_tiles import DIM, MLP, graph_us  # noqa: E402
 
 RANK = 64
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, SLICE_N, EPILOGUE_REGS); the first is the default
+# ((BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, SLICE_N, EPILOGUE_REGS), producer): the
+# tiles, and whether a 1-warp partition issues the loads; the first is the default
 GLUON_TILES = [
-    (128, 256, 64, 8, 3, 64, 128),
-    (128, 256, 64, 16, 3, 64, 128),
-    (128, 256, 32, 8, 6, 64, 128),
+    ((128, 256, 64, 8, 3, 64, 128), False),
+    ((128, 128, 64, 8, 5, 64, 128), True),
+    ((128, 128, 64, 8, 4, 64, 128), True),
+    ((128, 128, 64, 16, 5, 64, 128), True),
+    ((64, 256, 64, 8, 4, 64, 128), True),
+    ((128, 128, 64, 8, 5, 64, 128), False),
 ]
 
 
@@ -76,15 +80,15 @@ def main() -> int:
                 summed,
             ),
         }
-        for tiles in GLUON_TILES:
-            for gelu_tanh in (True, False) if tiles == GLUON_TILES[0] else (True,):
-                name = (
-                    "gluon "
-                    + "x".join(map(str, tiles))
-                    + ("" if gelu_tanh else " no GELU")
+        for tiles, producer in GLUON_TILES:
+            first = (tiles, producer) == GLUON_TILES[0]
+            for gelu_tanh in (True, False) if first else (True,):
+                name = "gluon " + "x".join(map(str, tiles))
+                name += (" producer" if producer else "") + (
+                    "" if gelu_tanh else " no GELU"
                 )
                 timed[name] = (
-                    lambda tiles=tiles, g=gelu_tanh: gll.linear_lora_gelu_bf16(
+                    lambda tiles=tiles, g=gelu_tanh, p=producer: gll.linear_lora_gelu_bf16(
                         x,
                         weight,
                         bias,
@@ -94,6 +98,7 @@ def main() -> int:
                         table,
                         tiles=tiles,
                         gelu_tanh=g,
+                        producer=p,
                     ),
                     gelu if gelu_tanh else summed,
                 )
