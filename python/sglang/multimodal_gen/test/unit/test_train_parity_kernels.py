@@ -21,6 +21,7 @@ CUDA = torch.cuda.is_available()
 EAGER_GATED_RESIDUAL = train_parity_ops.gated_residual
 GATED_RESIDUAL = "train_parity gated residual"
 LINEAR_LORA_UP = "train_parity base GEMM + LoRA-B GEMM + scale-and-add"
+LINEAR_LORA_UP_GELU = f"{LINEAR_LORA_UP} + tanh GELU"
 
 
 @pytest.fixture(autouse=True)
@@ -197,6 +198,78 @@ def test_the_base_gemm_kernel_keeps_the_eager_chain_only_where_it_differs(
     }
     (message,), _ = train_parity_kernels.logger.warning_once.call_args
     assert f"{LINEAR_LORA_UP} at (1, 7, 64)" in message
+
+
+def _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling):
+    return torch.nn.functional.gelu(
+        _eager_linear_lora_up(x, weight, bias, down, lora_B, scaling),
+        approximate="tanh",
+    )
+
+
+def test_the_gelu_kernel_is_checked_per_shape_and_on_every_bf16_input(monkeypatch):
+    """The MLP up-projection's kernel: its GELU is checked once on every BF16 input
+    (through the kernel, as a zero GEMM's bias), then the kernel per shape as the
+    base GEMM kernel is; a shape it differs on keeps the eager chain."""
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
+    monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_GELU_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "can_use_linear_lora_gelu", lambda *operands: True)
+    monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *operands: False)
+    shapes = []
+
+    def stand_in(x, weight, bias, down, lora_B, scaling):
+        shapes.append(tuple(x.shape))
+        out = _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling)
+        if x.shape[1] == 7:
+            out.view(torch.int16).view(-1)[0] += 1
+        return out
+
+    monkeypatch.setattr(kernels, "linear_lora_gelu_bf16", stand_in)
+    for rows in (5, 7, 5, 7):
+        inputs = _linear_inputs(rows)
+        out = train_parity_kernels.linear_add_lora_up(*inputs, 0.75, gelu_tanh=True)
+        assert torch.equal(out, _eager_linear_lora_up_gelu(*inputs, 0.75))
+    # every finite BF16 value once, then 5 rows: checked, then run; 7 rows: checked
+    assert shapes == [(128, 64), (1, 5, 64), (1, 7, 64), (1, 5, 64)]
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP_GELU] == {
+        "disabled": False,
+        "verified_signatures": 1,
+        "differing_signatures": 1,
+    }
+    (message,), _ = train_parity_kernels.logger.warning_once.call_args
+    assert f"{LINEAR_LORA_UP_GELU} at (1, 7, 64)" in message
+
+
+def test_a_gelu_kernel_whose_lookup_differs_is_not_used(monkeypatch):
+    """Control for the check over every BF16 input: a lookup wrong on one value that
+    the call's data lacks turns the kernel off before its first output is used."""
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
+    monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_GELU_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "can_use_linear_lora_gelu", lambda *operands: True)
+    monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *operands: False)
+
+    def stand_in(x, weight, bias, down, lora_B, scaling):
+        out = _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling)
+        out.view(torch.int16)[..., bias == 3.0] += 1
+        return out
+
+    monkeypatch.setattr(kernels, "linear_lora_gelu_bf16", stand_in)
+    inputs = _linear_inputs(5)
+    for _ in range(2):
+        out = train_parity_kernels.linear_add_lora_up(*inputs, 0.75, gelu_tanh=True)
+        assert torch.equal(out, _eager_linear_lora_up_gelu(*inputs, 0.75))
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP_GELU] == {
+        "disabled": False,
+        "verified_signatures": 0,
+        "differing_signatures": 1,
+    }
+    (message,), _ = train_parity_kernels.logger.warning_once.call_args
+    assert (
+        LINEAR_LORA_UP_GELU in message
+        and "differs from aten's on 1 of 65280" in message
+    )
 
 
 def test_eager_joint_qk_norm_rope_is_the_attention_chain():
@@ -591,6 +664,69 @@ def test_linear_add_lora_up_takes_the_kernel_and_verifies_it():
         "verified_signatures": 1,
         "differing_signatures": 0,
     }
+
+
+needs_hopper = pytest.mark.skipif(
+    not (CUDA and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the GELU kernel runs on Hopper",
+)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "shape",  # batch, rows, in, out: Qwen-Image's MLP at 1024x1024, batch 2, 512x512
+    [
+        (1, 4096, 3072, 12288),
+        (2, 4096, 3072, 12288),
+        (1, 1024, 3072, 12288),
+        (2, 2000, 3072, 12288),
+        (1, 333, 1024, 1000),
+    ],
+)
+def test_linear_lora_gelu_kernel(shape):
+    batch, rows, inner, cols = shape
+    x = _adversarial_(torch.randn(batch, rows, inner, device="cuda")).to(BF16)
+    weight = (torch.randn(cols, inner, device="cuda") * inner**-0.5).to(BF16)
+    bias = (torch.randn(cols, device="cuda") * 0.1).to(BF16)
+    down = _lora_down(batch * rows, 64).view(batch, rows, 64)
+    lora_B = (torch.randn(cols, 64, device="cuda") * 0.02).to(BF16)
+    eager = _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, 2.0)
+    fused = kernels.linear_lora_gelu_bf16(x, weight, bias, down, lora_B, 2.0)
+    assert train_parity_kernels.bitwise_equal(fused, eager)
+    # control: the same products summed over K in reverse order
+    reversed_order = _eager_linear_lora_up_gelu(
+        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0
+    )
+    assert not torch.equal(fused, reversed_order)
+
+
+@needs_hopper
+def test_linear_add_lora_up_takes_the_gelu_kernel_and_verifies_it(monkeypatch):
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    inputs = _linear_inputs(4096, device="cuda", inner=3072, cols=12288, rank=64)
+    with torch.no_grad():
+        fused = train_parity_kernels.linear_add_lora_up(*inputs, 2.0, gelu_tanh=True)
+    assert train_parity_kernels.bitwise_equal(
+        fused, _eager_linear_lora_up_gelu(*inputs, 2.0)
+    )
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP_GELU] == {
+        "disabled": False,
+        "verified_signatures": 1,
+        "differing_signatures": 0,
+    }
+
+
+@needs_hopper
+def test_gelu_kernel_matches_aten_on_every_bf16_input(monkeypatch):
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    device = torch.device("cuda", 0)
+    train_parity_kernels._check_gelu_tanh_on_every_bf16(device, linear=True)
+    # control: the same check against the erf GELU fails
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    gelu = torch.nn.functional.gelu
+    monkeypatch.setattr(train_parity_kernels.F, "gelu", lambda x, approximate: gelu(x))
+    with pytest.raises(RuntimeError, match="differs from aten's"):
+        train_parity_kernels._check_gelu_tanh_on_every_bf16(device, linear=True)
 
 
 @needs_cuda

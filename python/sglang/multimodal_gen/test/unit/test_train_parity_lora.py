@@ -109,14 +109,15 @@ def test_the_factors_are_held_where_the_base_weight_is(masters):
 )
 def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
     """The base GEMM of an unquantized layer with its bias fused goes to
-    ``linear_add_lora_up``, which can run it in the kernel that adds the update;
+    ``linear_add_lora_up`` (with its GELU for ``forward_gelu_tanh``), which can run
+    it in the kernel that adds the update;
     with a hook on the base layer, or without a bias (cuBLAS takes another path
     then), the layer runs its base layer."""
     calls = []
     linear_add_lora_up = train_parity_kernels.linear_add_lora_up
 
     def spy(*args, **kwargs):
-        calls.append(args)
+        calls.append((args, kwargs))
         return linear_add_lora_up(*args, **kwargs)
 
     monkeypatch.setattr(train_parity_kernels, "linear_add_lora_up", spy)
@@ -135,9 +136,14 @@ def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
         assert torch.equal(layer(x)[0], out)
         handle.remove()
         assert len(calls) == 1 and len(seen) == 1
+        # the MLP up-projection's GELU: the same kernel path, through the GELU
+        gelu_out = layer.forward_gelu_tanh(x)
+        assert len(calls) == 2 and calls[-1][1]["gelu_tanh"]
+        assert torch.equal(gelu_out, nn.functional.gelu(out, approximate="tanh"))
         layer.base_layer.bias = None
         layer(x)
-    assert len(calls) == 1
+        layer.forward_gelu_tanh(x)
+    assert len(calls) == 2
 
 
 def test_forward_gelu_tanh_is_the_gelu_of_the_forward(masters):
