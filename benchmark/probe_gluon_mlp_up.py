@@ -1,8 +1,9 @@
 """H100/H200 probe: Qwen-Image's MLP up-projection (3072 -> 12288, LoRA r64, tanh GELU) in
-``gluon_linear_lora.linear_lora_gelu_bf16`` (a warp-specialized Gluon GEMM whose epilogue
-runs on warps of its own) against the path it would replace, cuBLAS's GEMM and the LoRA-B +
-GELU kernel, and the base GEMM kernel without the GELU. Each output is checked bitwise
-against aten's chain and timed by CUDA-graph replay.
+``linear_lora_gelu_bf16`` (patch 0022: a warp-specialized Gluon GEMM whose epilogue runs on
+warps of its own) against the path it replaces, cuBLAS's GEMM and the LoRA-B + GELU kernel,
+and the base GEMM kernel without the GELU. Each output is checked bitwise against aten's
+chain and timed by CUDA-graph replay. (Runs 50-53 timed tile and partition variants of the
+kernel with this probe's earlier forms, commits e4fd62e to 701b467.)
 
     python3 benchmark/probe_gluon_mlp_up.py --out /tmp/gluon_mlp_up.json
 """
@@ -21,16 +22,6 @@ from benchmark import gpu_common  # noqa: E402
 from benchmark.probe_fused_tiles import DIM, MLP, graph_us  # noqa: E402
 
 RANK = 64
-# ((BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, SLICE_N, EPILOGUE_REGS), producer): the
-# tiles, and whether a 1-warp partition issues the loads; the first is the default
-GLUON_TILES = [
-    ((128, 256, 64, 8, 3, 64, 128), False),
-    ((128, 128, 64, 8, 5, 64, 128), True),
-    ((128, 128, 64, 8, 4, 64, 128), True),
-    ((128, 128, 64, 16, 5, 64, 128), True),
-    ((64, 256, 64, 8, 4, 64, 128), True),
-    ((128, 128, 64, 8, 5, 64, 128), False),
-]
 
 
 def main() -> int:
@@ -43,7 +34,7 @@ def main() -> int:
     import torch.nn.functional as F
     import triton
 
-    from benchmark import gluon_linear_lora as gll
+    from sglang.kernels.ops import diffusion as kernels
     from sglang.kernels.ops.diffusion.gemm import linear_lora_triton as ll
     from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton as lb
     from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
@@ -57,7 +48,6 @@ def main() -> int:
         "cases": [],
     }
     print(result, flush=True)
-    table = lb.gelu_tanh_table(torch.device("cuda"))
     torch.manual_seed(0)
     for rows in map(int, args.rows.split(",")):
         x = torch.randn(rows, DIM, device="cuda").bfloat16()
@@ -80,28 +70,10 @@ def main() -> int:
                 summed,
             ),
         }
-        for tiles, producer in GLUON_TILES:
-            first = (tiles, producer) == GLUON_TILES[0]
-            for gelu_tanh in (True, False) if first else (True,):
-                name = "gluon " + "x".join(map(str, tiles))
-                name += (" producer" if producer else "") + (
-                    "" if gelu_tanh else " no GELU"
-                )
-                timed[name] = (
-                    lambda tiles=tiles, g=gelu_tanh, p=producer: gll.linear_lora_gelu_bf16(
-                        x,
-                        weight,
-                        bias,
-                        down,
-                        lora_B,
-                        2.0,
-                        table,
-                        tiles=tiles,
-                        gelu_tanh=g,
-                        producer=p,
-                    ),
-                    gelu if gelu_tanh else summed,
-                )
+        timed["the Gluon kernel"] = (
+            lambda: kernels.linear_lora_gelu_bf16(x, weight, bias, down, lora_B, 2.0),
+            gelu,
+        )
         case = {"rows": rows, "us": {}}
         for name, (fn, expected) in timed.items():
             try:

@@ -207,15 +207,23 @@ def _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling):
     )
 
 
-def test_the_gelu_kernel_is_checked_per_shape_and_on_every_bf16_input(monkeypatch):
-    """The MLP up-projection's kernel: its GELU is checked once on every BF16 input
-    (through the kernel, as a zero GEMM's bias), then the kernel per shape as the
-    base GEMM kernel is; a shape it differs on keeps the eager chain."""
+@pytest.fixture
+def on_the_gelu_kernel_path(monkeypatch):
+    """CPU operands of any size take the GELU kernel's path (a stand-in kernel), its
+    GELU not yet checked; the reference runs the eager chain."""
     monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
     monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
     monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_GELU_MIN_ROWS", 1)
     monkeypatch.setattr(kernels, "can_use_linear_lora_gelu", lambda *operands: True)
     monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *operands: False)
+
+
+def test_the_gelu_kernel_is_checked_per_shape_and_on_every_bf16_input(
+    on_the_gelu_kernel_path, monkeypatch
+):
+    """The MLP up-projection's kernel: its GELU is checked once on every BF16 input
+    (through the kernel, as a zero GEMM's bias), then the kernel per shape as the
+    base GEMM kernel is; a shape it differs on keeps the eager chain."""
     shapes = []
 
     def stand_in(x, weight, bias, down, lora_B, scaling):
@@ -241,14 +249,11 @@ def test_the_gelu_kernel_is_checked_per_shape_and_on_every_bf16_input(monkeypatc
     assert f"{LINEAR_LORA_UP_GELU} at (1, 7, 64)" in message
 
 
-def test_a_gelu_kernel_whose_lookup_differs_is_not_used(monkeypatch):
+def test_a_gelu_kernel_whose_lookup_differs_is_not_used(
+    on_the_gelu_kernel_path, monkeypatch
+):
     """Control for the check over every BF16 input: a lookup wrong on one value that
     the call's data lacks turns the kernel off before its first output is used."""
-    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
-    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
-    monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_GELU_MIN_ROWS", 1)
-    monkeypatch.setattr(kernels, "can_use_linear_lora_gelu", lambda *operands: True)
-    monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *operands: False)
 
     def stand_in(x, weight, bias, down, lora_B, scaling):
         out = _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling)
@@ -635,19 +640,21 @@ def test_lora_b_scale_add_gelu_tanh_kernel(shape):
     ],
 )
 def test_linear_lora_kernel(shape):
+    _check_linear_kernel(shape, kernels.linear_lora_bf16, _eager_linear_lora_up)
+
+
+def _check_linear_kernel(shape, kernel, eager_chain):
     batch, rows, inner, cols = shape
     x = _adversarial_(torch.randn(batch, rows, inner, device="cuda")).to(BF16)
     weight = (torch.randn(cols, inner, device="cuda") * inner**-0.5).to(BF16)
     bias = (torch.randn(cols, device="cuda") * 0.1).to(BF16)
     down = _lora_down(batch * rows, 64).view(batch, rows, 64)
     lora_B = (torch.randn(cols, 64, device="cuda") * 0.02).to(BF16)
-    eager = _eager_linear_lora_up(x, weight, bias, down, lora_B, 2.0)
-    fused = kernels.linear_lora_bf16(x, weight, bias, down, lora_B, 2.0)
+    eager = eager_chain(x, weight, bias, down, lora_B, 2.0)
+    fused = kernel(x, weight, bias, down, lora_B, 2.0)
     assert train_parity_kernels.bitwise_equal(fused, eager)
     # control: the same products summed over K in reverse order
-    reversed_order = _eager_linear_lora_up(
-        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0
-    )
+    reversed_order = eager_chain(x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0)
     assert not torch.equal(fused, reversed_order)
 
 
@@ -684,20 +691,9 @@ needs_hopper = pytest.mark.skipif(
     ],
 )
 def test_linear_lora_gelu_kernel(shape):
-    batch, rows, inner, cols = shape
-    x = _adversarial_(torch.randn(batch, rows, inner, device="cuda")).to(BF16)
-    weight = (torch.randn(cols, inner, device="cuda") * inner**-0.5).to(BF16)
-    bias = (torch.randn(cols, device="cuda") * 0.1).to(BF16)
-    down = _lora_down(batch * rows, 64).view(batch, rows, 64)
-    lora_B = (torch.randn(cols, 64, device="cuda") * 0.02).to(BF16)
-    eager = _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, 2.0)
-    fused = kernels.linear_lora_gelu_bf16(x, weight, bias, down, lora_B, 2.0)
-    assert train_parity_kernels.bitwise_equal(fused, eager)
-    # control: the same products summed over K in reverse order
-    reversed_order = _eager_linear_lora_up_gelu(
-        x.flip(-1), weight.flip(-1), bias, down, lora_B, 2.0
+    _check_linear_kernel(
+        shape, kernels.linear_lora_gelu_bf16, _eager_linear_lora_up_gelu
     )
-    assert not torch.equal(fused, reversed_order)
 
 
 @needs_hopper
