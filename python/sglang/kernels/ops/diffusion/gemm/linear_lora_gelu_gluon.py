@@ -58,8 +58,9 @@ except ImportError:
 _BLOCK_M, _BLOCK_N, _BLOCK_K = 128, 256, 64
 _GROUP_M, _STAGES, _SLICE_N = 8, 3, 64
 _EPILOGUE_WARPS, _EPILOGUE_REGS = 4, 128
-# the LoRA-B slice and the base tile fill the shared memory the stages leave
-_MAX_RANK = 64
+# the epilogue's LoRA-B MMA takes the whole rank at once (a power of two), and
+# its slice and the base tile fill the shared memory the stages leave
+_RANKS = (16, 32, 64)
 
 
 if _HAS_GLUON:
@@ -410,12 +411,12 @@ def can_use_linear_lora_gelu(
     down: torch.Tensor,
     lora_B: torch.Tensor,
 ) -> bool:
-    """What ``can_use_linear_lora`` takes, with R up to 64, on a Hopper GPU
+    """What ``can_use_linear_lora`` takes, with R 16, 32 or 64, on a Hopper GPU
     (compute capability 9.0) and a Triton with Gluon's warp specialization."""
     return (
         _HAS_GLUON
         and can_use_linear_lora(x, weight, bias, down, lora_B)
-        and lora_B.shape[-1] <= _MAX_RANK
+        and lora_B.shape[-1] in _RANKS
         and torch.cuda.get_device_capability(x.device) == (9, 0)
     )
 
@@ -439,7 +440,7 @@ def linear_lora_gelu_bf16(
         raise RuntimeError(
             "linear_lora_gelu_bf16 expects contiguous, 16-byte aligned BF16 CUDA x "
             "[..., K], weight [N, K] (N a multiple of 8), bias [N], down [..., R] "
-            "and lora_B [N, R] with R a multiple of 16 up to 64, on compute "
+            "and lora_B [N, R] with R 16, 32 or 64, on compute "
             "capability 9.0 and a Triton with Gluon's warp specialization"
         )
     n_cols, n_inner = weight.shape
