@@ -16,6 +16,8 @@ accumulator, the bias added in FP32, one rounding; the update as PEFT rounds it)
 import functools
 
 import triton
+
+from sglang.kernels.ops.diffusion.gemm.linear_lora_gelu_gluon import _tile_offsets
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -29,24 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 GROUP_M, STAGES, SLICE_N = 8, 3, 64
 MMA_REGS = 192
-
-
-@gluon.jit
-def _tile_offsets(
-    tile,
-    n_rows,
-    n_cols,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    GROUP_M: gl.constexpr,
-):
-    tiles_m = gl.cdiv(n_rows, BLOCK_M)
-    group_tiles = GROUP_M * gl.cdiv(n_cols, BLOCK_N)
-    group = tile // group_tiles
-    group_m = min(tiles_m - group * GROUP_M, GROUP_M)
-    off_m = (group * GROUP_M + (tile % group_tiles) % group_m) * BLOCK_M
-    off_n = ((tile % group_tiles) // group_m) * BLOCK_N
-    return off_m, off_n
 
 
 @gluon.jit

@@ -49,6 +49,29 @@ def graph_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
 
+def checked_timing(fn, expected) -> dict:
+    """``fn``'s output checked bitwise against ``expected`` (None: not checked) and
+    its CUDA-graph time; an exception becomes the entry's error."""
+    import torch
+
+    from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
+
+    try:
+        got = fn()
+        torch.cuda.synchronize()
+        entry = {}
+        if expected is not None:
+            entry["equal"] = bitwise_equal(got, expected)
+            if not entry["equal"]:
+                differ = got.view(torch.int16) != expected.view(torch.int16)
+                entry["differing"] = int(differ.sum())
+                entry["first"] = differ.nonzero()[:4].tolist()
+        entry["us"] = round(graph_us(fn), 1)
+    except Exception as e:
+        entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+    return entry
+
+
 def lora_cases(rows_list, out):
     import torch
     import torch.nn.functional as F
@@ -74,10 +97,13 @@ def lora_cases(rows_list, out):
                     "width": width,
                     "gelu_tanh": gelu,
                     "eager_us": round(graph_us(chain), 1),
-                    "cublas_lora_b_us": round(graph_us(lambda: F.linear(down, lora_B)), 1),
+                    "cublas_lora_b_us": round(
+                        graph_us(lambda: F.linear(down, lora_B)), 1
+                    ),
                     "tiles": {},
                 }
                 for tiles in LORA_TILES:
+
                     def fused(tiles=tiles):
                         return lb.lora_b_scale_add_bf16(
                             base, down, lora_B, 2.0, gelu_tanh=gelu, tiles=tiles
@@ -113,7 +139,8 @@ GELU_LOOPED = [  # (BLOCK_M, BLOCK_N, column tiles per program, num_warps, num_s
 
 def _lora_b_gelu_looped_kernel():
     """The LoRA-B + GELU kernel's arithmetic with another schedule: a program loads its rows'
-    ``down`` once and walks several column tiles, the base tile loaded before the rank-64 dot."""
+    ``down`` once and walks several column tiles, the base tile loaded before the rank-64 dot.
+    """
     import triton
     import triton.language as tl
 
@@ -121,22 +148,39 @@ def _lora_b_gelu_looped_kernel():
 
     @triton.jit
     def kernel(
-        out_ptr, base_ptr, down_ptr, lora_b_ptr, scale, n_rows, n_cols,
-        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        COL_TILES: tl.constexpr, STAGES: tl.constexpr,
+        out_ptr,
+        base_ptr,
+        down_ptr,
+        lora_b_ptr,
+        scale,
+        n_rows,
+        n_cols,
+        RANK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        COL_TILES: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         ks = tl.arange(0, RANK)
-        down = tl.load(down_ptr + rows[:, None] * RANK + ks[None, :], row_mask[:, None], 0.0)
+        down = tl.load(
+            down_ptr + rows[:, None] * RANK + ks[None, :], row_mask[:, None], 0.0
+        )
         for tile in tl.range(0, COL_TILES, num_stages=STAGES):
-            cols = (tl.program_id(1) * COL_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+            cols = (tl.program_id(1) * COL_TILES + tile) * BLOCK_N + tl.arange(
+                0, BLOCK_N
+            )
             col_mask = cols < n_cols
             offsets = rows[:, None] * n_cols + cols[None, :]
             mask = row_mask[:, None] & col_mask[None, :]
             base = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            lora_b = tl.load(lora_b_ptr + cols[None, :] * RANK + ks[:, None], col_mask[None, :], 0.0)
-            update = tl.dot(down, lora_b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            lora_b = tl.load(
+                lora_b_ptr + cols[None, :] * RANK + ks[:, None], col_mask[None, :], 0.0
+            )
+            update = tl.dot(
+                down, lora_b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            )
             update = update.to(tl.bfloat16).to(tl.float32)
             scaled = (update * scale).to(tl.bfloat16).to(tl.float32)
             out = (base + scaled).to(tl.bfloat16)
@@ -162,7 +206,12 @@ def gelu_looped_cases(rows_list, out):
         row = {
             "rows": rows,
             "fork_us": round(
-                graph_us(lambda: lb.lora_b_scale_add_bf16(base, down, lora_B, 2.0, gelu_tanh=True)), 1
+                graph_us(
+                    lambda: lb.lora_b_scale_add_bf16(
+                        base, down, lora_B, 2.0, gelu_tanh=True
+                    )
+                ),
+                1,
             ),
             "looped": {},
         }
@@ -170,11 +219,28 @@ def gelu_looped_cases(rows_list, out):
         for block_m, block_n, col_tiles, warps, stages in GELU_LOOPED:
             grid = (triton.cdiv(rows, block_m), triton.cdiv(MLP, block_n * col_tiles))
 
-            def fused(block_m=block_m, block_n=block_n, col_tiles=col_tiles, warps=warps,
-                      stages=stages, grid=grid):
+            def fused(
+                block_m=block_m,
+                block_n=block_n,
+                col_tiles=col_tiles,
+                warps=warps,
+                stages=stages,
+                grid=grid,
+            ):
                 kernel[grid](
-                    result, base, down, lora_B, 2.0, rows, MLP, RANK=64, BLOCK_M=block_m,
-                    BLOCK_N=block_n, COL_TILES=col_tiles, STAGES=stages, num_warps=warps,
+                    result,
+                    base,
+                    down,
+                    lora_B,
+                    2.0,
+                    rows,
+                    MLP,
+                    RANK=64,
+                    BLOCK_M=block_m,
+                    BLOCK_N=block_n,
+                    COL_TILES=col_tiles,
+                    STAGES=stages,
+                    num_warps=warps,
                     enable_fp_fusion=False,
                 )
 
@@ -182,13 +248,23 @@ def gelu_looped_cases(rows_list, out):
             try:
                 fused()
                 row["looped"][name] = {
-                    "equal": bitwise_equal(result, expected), "us": round(graph_us(fused), 1)
+                    "equal": bitwise_equal(result, expected),
+                    "us": round(graph_us(fused), 1),
                 }
-            except Exception as error:  # a schedule the compiler refuses: record it, go on
-                row["looped"][name] = {"error": f"{type(error).__name__}: {error}"[:200]}
-        print(f"lora-b + gelu rows {rows:5d} fork {row['fork_us']} us  "
-              + " ".join(f"{k}:{v.get('us', 'ERR')}{'' if v.get('equal', True) else '(DIFFERS)'}"
-                         for k, v in row["looped"].items()), flush=True)
+            except (
+                Exception
+            ) as error:  # a schedule the compiler refuses: record it, go on
+                row["looped"][name] = {
+                    "error": f"{type(error).__name__}: {error}"[:200]
+                }
+        print(
+            f"lora-b + gelu rows {rows:5d} fork {row['fork_us']} us  "
+            + " ".join(
+                f"{k}:{v.get('us', 'ERR')}{'' if v.get('equal', True) else '(DIFFERS)'}"
+                for k, v in row["looped"].items()
+            ),
+            flush=True,
+        )
         out.append(row)
 
 
@@ -199,11 +275,16 @@ def qk_cases(batch, out):
     from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
     from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
 
-    weights = [(torch.rand(128, device="cuda") * 0.4 + 0.8).bfloat16() for _ in range(2)]
+    weights = [
+        (torch.rand(128, device="cuda") * 0.4 + 0.8).bfloat16() for _ in range(2)
+    ]
     for seq in (4096, 211):
         angles = torch.randn(seq, 64, device="cuda") * 100
         freqs = torch.polar(torch.ones_like(angles), angles)
-        q, k = (torch.randn(batch, seq, HEADS, 128, device="cuda").bfloat16() for _ in range(2))
+        q, k = (
+            torch.randn(batch, seq, HEADS, 128, device="cuda").bfloat16()
+            for _ in range(2)
+        )
         # a joint buffer with 77 rows before this part, as the text + image sequence
         q_out = q.new_empty(batch, seq + 77, HEADS, 128)
         k_out = torch.empty_like(q_out)
@@ -215,8 +296,14 @@ def qk_cases(batch, out):
             )
 
         expected = chain()
-        row = {"batch": batch, "seq": seq, "eager_us": round(graph_us(chain), 1), "tiles": {}}
+        row = {
+            "batch": batch,
+            "seq": seq,
+            "eager_us": round(graph_us(chain), 1),
+            "tiles": {},
+        }
         for rows in QK_ROWS:
+
             def fused(rows=rows):
                 qk.qknorm_complex_rope_joint_(
                     q, k, *weights, freqs, 1e-6, q_out, k_out, 77, rows=rows
@@ -224,14 +311,21 @@ def qk_cases(batch, out):
 
             fused()
             equal = bitwise_equal((q_out[:, 77:], k_out[:, 77:]), expected)
-            row["tiles"][f"rows{rows}"] = {"equal": equal, "us": round(graph_us(fused), 1)}
+            row["tiles"][f"rows{rows}"] = {
+                "equal": equal,
+                "us": round(graph_us(fused), 1),
+            }
         best = min(
-            ((k, v) for k, v in row["tiles"].items() if v["equal"]), key=lambda kv: kv[1]["us"]
+            ((k, v) for k, v in row["tiles"].items() if v["equal"]),
+            key=lambda kv: kv[1]["us"],
         )
         print(
             f"q/k b{batch} seq {seq:5d} eager {row['eager_us']:7.1f} us best {best[0]} "
             f"{best[1]['us']:.1f} us  "
-            + " ".join(f"{k}:{v['us']}{'' if v['equal'] else '(DIFFERS)'}" for k, v in row["tiles"].items()),
+            + " ".join(
+                f"{k}:{v['us']}{'' if v['equal'] else '(DIFFERS)'}"
+                for k, v in row["tiles"].items()
+            ),
             flush=True,
         )
         out.append(row)
@@ -276,16 +370,24 @@ def sustained_gemm(out):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--qk-only", action="store_true", help="only the Q/K kernel's tiles")
     parser.add_argument(
-        "--gelu-looped", action="store_true", help="also the LoRA-B + GELU kernel's looped schedules"
+        "--qk-only", action="store_true", help="only the Q/K kernel's tiles"
+    )
+    parser.add_argument(
+        "--gelu-looped",
+        action="store_true",
+        help="also the LoRA-B + GELU kernel's looped schedules",
     )
     args = parser.parse_args()
     gpu_common.setup("cuda", "off")
     import torch
 
     result = {
-        "script": "benchmark/probe_fused_tiles.py", "lora_b": [], "qk": [], "gemm": [], "gelu_looped": []
+        "script": "benchmark/probe_fused_tiles.py",
+        "lora_b": [],
+        "qk": [],
+        "gemm": [],
+        "gelu_looped": [],
     }
     with torch.no_grad():
         if args.gelu_looped:

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.probe_fused_tiles import DIM, MLP, graph_us  # noqa: E402
+from benchmark.probe_fused_tiles import DIM, MLP, checked_timing  # noqa: E402
 
 RANK = 64
 SHAPES = {
@@ -48,7 +48,6 @@ def main() -> int:
         gelu_tanh_table,
     )
     from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
-    from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
 
     result = {
         "script": "benchmark/probe_gluon_coop.py",
@@ -100,19 +99,7 @@ def main() -> int:
                 )
             case = {"shape": shape, "rows": rows, "us": {}}
             for name, (fn, check) in timed.items():
-                try:
-                    got = fn()
-                    torch.cuda.synchronize()
-                    entry = {}
-                    if check:
-                        entry["equal"] = bitwise_equal(got, expected)
-                        if not entry["equal"]:
-                            differ = got.view(torch.int16) != expected.view(torch.int16)
-                            entry["differing"] = int(differ.sum())
-                            entry["first"] = differ.nonzero()[:4].tolist()
-                    entry["us"] = round(graph_us(fn), 1)
-                except Exception as e:
-                    entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+                entry = checked_timing(fn, expected if check else None)
                 case["us"][name] = entry
                 print(f"{shape} rows {rows} {name}: {entry}", flush=True)
             result["cases"].append(case)

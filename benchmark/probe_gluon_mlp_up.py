@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.probe_fused_tiles import DIM, MLP, graph_us  # noqa: E402
+from benchmark.probe_fused_tiles import DIM, MLP, checked_timing  # noqa: E402
 
 RANK = 64
 
@@ -38,7 +38,6 @@ def main() -> int:
     from sglang.kernels.ops.diffusion.gemm import linear_lora_triton as ll
     from sglang.kernels.ops.diffusion.gemm import lora_b_scale_add_triton as lb
     from sglang.multimodal_gen.runtime.layers import train_parity_ops as eager
-    from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
 
     result = {
         "script": "benchmark/probe_gluon_mlp_up.py",
@@ -78,19 +77,7 @@ def main() -> int:
         }
         case = {"rows": rows, "us": {}}
         for name, (fn, expected) in timed.items():
-            try:
-                got = fn()
-                torch.cuda.synchronize()
-                entry = {}
-                if expected is not None:
-                    entry["equal"] = bitwise_equal(got, expected)
-                    if not entry["equal"]:
-                        differ = got.view(torch.int16) != expected.view(torch.int16)
-                        entry["differing"] = int(differ.sum())
-                        entry["first"] = differ.nonzero()[:4].tolist()
-                entry["us"] = round(graph_us(fn), 1)
-            except Exception as e:
-                entry = {"error": f"{type(e).__name__}: {e}"[:600]}
+            entry = checked_timing(fn, expected)
             case["us"][name] = entry
             print(f"rows {rows} {name}: {entry}", flush=True)
         result["cases"].append(case)
