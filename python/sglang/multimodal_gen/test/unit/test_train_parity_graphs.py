@@ -134,6 +134,11 @@ def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
         lambda: setattr(attn, "norm_q", torch.nn.Sequential(norm)),
         lambda: setattr(attn, "norm_q", norm),
     )
+    # a buffer where the module had none: the dicts are read live
+    assert changes(
+        lambda: norm.register_buffer("extra", torch.zeros(1)),
+        lambda: delattr(norm, "extra"),
+    )
     lora = attn.extra
     assert changes(
         lambda: setattr(lora, "disable_lora", not lora.disable_lora),
