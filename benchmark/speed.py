@@ -40,8 +40,11 @@ import argparse
 import gc
 import math
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -225,8 +228,7 @@ def profile_step(step_fn, model, device: str, annotate: bool = True) -> dict:
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            step_fn(0)
-            torch.cuda.synchronize()
+            _, clocks = clocks_while(lambda: (step_fn(0), torch.cuda.synchronize()))
             profiled_wall_ms = (time.perf_counter() - t0) * 1e3
     finally:
         annot.remove()
@@ -265,6 +267,7 @@ def profile_step(step_fn, model, device: str, annotate: bool = True) -> dict:
     cpu_rows.sort(reverse=True)
     return {
         "profiled_step_wall_ms": round(profiled_wall_ms, 1),
+        "gpu_clocks": clocks,
         "kernel_time_ms": round(total / 1e3, 3),
         "families_ms": {
             k: round(v / 1e3, 3) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])
@@ -404,15 +407,77 @@ def time_pipelined(step_fn, first: int, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+class GpuClocks:
+    """``nvidia-smi``'s SM clock and power draw every 100 ms while the script runs,
+    so that each timing says at which clocks it ran: a power-capped GPU clocks
+    lower under denser work, and the floor comes from another variant's profile."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+        self.proc = subprocess.Popen(
+            [
+                "nvidia-smi",
+                "--query-gpu=timestamp,clocks.sm,power.draw",
+                "--format=csv,noheader,nounits",
+                "-lms",
+                "100",
+                "-i",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                stamp, mhz, watts = (f.strip() for f in line.split(","))
+                when = time.mktime(time.strptime(stamp[:19], "%Y/%m/%d %H:%M:%S"))
+                when += float("0" + stamp[19:])
+                self.samples.append((when, float(mhz), float(watts)))
+            except ValueError:
+                continue
+
+    def window(self, start: float, end: float) -> dict | None:
+        """Median SM clock (MHz) and power (W) of the samples from ``start`` to
+        ``end`` (``time.time()``)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return None
+        return {
+            "sm_mhz": statistics.median(s[1] for s in inside),
+            "power_w": round(statistics.median(s[2] for s in inside), 1),
+            "samples": len(inside),
+        }
+
+    def stop(self) -> None:
+        self.proc.terminate()
+
+
+# set by main() on CUDA where nvidia-smi runs
+CLOCKS: GpuClocks | None = None
+
+
+def clocks_while(fn):
+    """``fn()`` and the GPU clocks while it ran (None without a sampler)."""
+    start = time.time()
+    result = fn()
+    return result, CLOCKS.window(start, time.time()) if CLOCKS else None
+
+
 def timed(step, args) -> dict:
     """``args.rounds`` timed runs of ``args.steps`` steps (the first after ``args.warmup``
     warm-up steps, the others after one), each step waited for: the median, p10 and p90
     over all steps and each run's median. On CUDA also, per round, the mean step of
     ``args.steps`` steps issued without waiting in between (``time_pipelined``)."""
-    rounds = [
-        time_steps(step, args.warmup if r == 0 else 1, args.steps, args.device)
-        for r in range(args.rounds)
-    ]
+    rounds, clocks = clocks_while(
+        lambda: [
+            time_steps(step, args.warmup if r == 0 else 1, args.steps, args.device)
+            for r in range(args.rounds)
+        ]
+    )
     times = [t for run in rounds for t in run]
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
     entry = {
@@ -421,9 +486,13 @@ def timed(step, args) -> dict:
         "step_ms_p90": round(q[-1], 2),
         "round_medians_ms": [round(statistics.median(run), 2) for run in rounds],
         "step_ms_all": [round(t, 2) for t in times],
+        "gpu_clocks": clocks,
     }
     if args.device == "cuda":
-        pipelined = [time_pipelined(step, 0, args.steps) for _ in range(args.rounds)]
+        pipelined, clocks = clocks_while(
+            lambda: [time_pipelined(step, 0, args.steps) for _ in range(args.rounds)]
+        )
+        entry["pipelined_gpu_clocks"] = clocks
         entry["pipelined_step_ms_median"] = round(statistics.median(pipelined), 2)
         entry["pipelined_round_means_ms"] = [round(t, 2) for t in pipelined]
     return entry
@@ -1112,6 +1181,9 @@ def main() -> int:
     args = parser.parse_args()
     t_start = time.monotonic()
     gpu_common.setup(args.device, args.jit)
+    global CLOCKS
+    if args.device == "cuda" and shutil.which("nvidia-smi"):
+        CLOCKS = GpuClocks()
     import torch
     from sglang_train_parity import ltx2, qwen_image21, reference, wan
 
@@ -1425,6 +1497,20 @@ def main() -> int:
                 f"rounds {e['pipelined_round_means_ms']}"
             )
     for k, e in v.items():
+        clocks = {
+            "waited for": e.get("gpu_clocks"),
+            "back to back": e.get("pipelined_gpu_clocks"),
+            "profiled step": (e.get("profile") or {}).get("gpu_clocks"),
+        }
+        if any(clocks.values()):
+            print(
+                f"{k:19s} GPU clocks "
+                + ", ".join(
+                    f"{when} {c['sm_mhz']} MHz {c['power_w']} W" if c else f"{when} -"
+                    for when, c in clocks.items()
+                )
+            )
+    for k, e in v.items():
         t = (e.get("profile") or {}).get("device_timeline")
         if t:
             print(
@@ -1462,6 +1548,8 @@ def main() -> int:
             print(k, result[k])
     for k, err in result["errors"].items():
         print(f"ERROR in {k}:\n{err}")
+    if CLOCKS:
+        CLOCKS.stop()
     return 1 if result["errors"] else 0
 
 
