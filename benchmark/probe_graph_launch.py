@@ -90,17 +90,28 @@ def replay_timings(launch) -> dict:
     return {k: round(v, 3) for k, v in result.items()}
 
 
+def captured(body):
+    """A CUDA graph of ``body()``, run once on a side stream first, as capture
+    requires."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 def tiny_graph(kernels: int, sleep_cycles: int = 0, first=None, last=None):
     import torch
 
     x = torch.zeros(256, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x.add_(1)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body():
         if sleep_cycles:
             torch.cuda._sleep(sleep_cycles)
         if first is not None:
@@ -109,7 +120,8 @@ def tiny_graph(kernels: int, sleep_cycles: int = 0, first=None, last=None):
             x.add_(1)
         if last is not None:
             last()
-    return graph
+
+    return captured(body)
 
 
 def gemm_kernels() -> dict:
@@ -156,16 +168,7 @@ def many_kernel_graphs() -> dict:
     }
     timings = {}
     for name, call in calls.items():
-        call()
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            for _ in range(3000):
-                call()
+        graph = captured(lambda call=call: [call() for _ in range(3000)])
         timings[f"3000 x {name}"] = replay_timings(graph.replay)
     return timings
 
@@ -190,7 +193,6 @@ def main() -> int:
 
     tiny["100 after a sleep, then 3000"] = replay_timings(head_then_body)
     for name, call in gemm_kernels().items():
-        call()  # compiled before capture
         tiny[f"3000, then {name}"] = replay_timings(tiny_graph(3000, last=call).replay)
         tiny[f"{name}, then 3000"] = replay_timings(tiny_graph(3000, first=call).replay)
     record("tiny_graphs", tiny)
