@@ -355,6 +355,53 @@ def test_demo_options_for_a_gpu_machine(monkeypatch, tmp_path):
     assert command[command.index("--numerics") + 1] == "default"
 
 
+@pytest.mark.parametrize("exits", [True, False], ids=["server-exits", "broker-fails"])
+@pytest.mark.parametrize("port", [None, 30123], ids=["picked", "given"])
+def test_server_restarts_on_new_ports_when_one_was_taken(
+    monkeypatch, tmp_path, port, exits
+):
+    """A server whose ports were picked free but taken before it bound them (two servers
+    start at once) starts again on new ports, a bounded number of times, whether it exits or
+    stays up reporting a failed part (sglang's request broker binds port + 1 and, failing,
+    makes /health answer "unhealthy"); one started on a port the caller chose fails at once,
+    since that port stays taken."""
+    import requests
+    from sglang_train_parity import rollout_demo
+
+    started = []
+
+    class PortTaken:  # what Popen returns here: a server that lost a port
+        pid = -1
+        returncode = 1 if exits else None
+
+        def __init__(self, command, stdout, **_):
+            started.append(int(command[command.index("--port") + 1]))
+            stdout.write("zmq.error.ZMQError: Address already in use (addr='tcp://x')\n")
+
+        def poll(self):
+            return self.returncode
+
+    class Unhealthy:  # sglang's /health answer once its broker task ended
+        status_code = 503
+
+        def json(self):
+            return {"status": "unhealthy", "error": "Offline request broker exited"}
+
+    monkeypatch.setattr(rollout_demo.subprocess, "Popen", PortTaken)
+    monkeypatch.setattr(rollout_demo, "_stop", lambda process: None)
+    monkeypatch.setattr(requests, "get", lambda url, timeout: Unhealthy())
+    failure = "exited with status 1" if exits else "unhealthy: Offline request broker"
+    with pytest.raises(RuntimeError, match=failure):
+        with rollout_demo.serve(tmp_path / "model", "train_parity", tmp_path, port):
+            pass
+    if port is None:
+        assert len(started) == 1 + rollout_demo.PORT_CLASH_RESTARTS
+        assert len(set(started)) > 1
+    else:
+        assert started == [port]
+    assert rollout_demo._LIVE_SERVERS == set()
+
+
 def test_demo_stops_its_server_on_ctrl_c(model_dir, tmp_path):
     env, tag = tagged_env(tmp_path)
     demo = subprocess.Popen(

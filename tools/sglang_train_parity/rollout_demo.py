@@ -51,7 +51,7 @@ import time
 from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from sglang_train_parity import ltx2, qwen_image21, wan
@@ -84,6 +84,8 @@ ROLLOUT_COMMON = dict(
 # Qwen-Image's rollout, the client's default
 ROLLOUT_REQUEST = dict(ROLLOUT_COMMON, width=64, height=64, true_cfg_scale=4.0)
 SERVER_START_TIMEOUT_S = 240
+# a server whose picked port was taken before it bound it starts again, this often at most
+PORT_CLASH_RESTARTS = 3
 REQUEST_TIMEOUT_S = 300
 # See the module docstring: how a default-numerics server runs on CPU.
 _CPU_KERNELS_SITECUSTOMIZE = (
@@ -129,25 +131,54 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``sglang serve`` process group on loopback; `url` once healthy."""
+    """A ``sglang serve`` process group on loopback; `url` once healthy.
+
+    `launch`: starts the process group and returns it with its URL; a server whose ports were
+    picked here (free at pick time) calls it again, on new ports, when it lost one of them to
+    another process before binding it (`restart_after_port_clash`)."""
 
     def __init__(
         self,
-        process: subprocess.Popen,
-        url: str,
+        launch: Callable[[], tuple[subprocess.Popen, str]],
         log_path: Path,
         numerics: str = "train_parity",
+        ports_picked_here: bool = True,
     ):
-        self.process = process
-        self.url = url
+        self._launch = launch
         self.log_path = log_path
         self.numerics = numerics
+        self._port_clash_restarts = PORT_CLASH_RESTARTS if ports_picked_here else 0
+        self.process, self.url = launch()
+        _LIVE_SERVERS.add(self.process)
         self.started_at = time.monotonic()
 
     def stop(self) -> None:
         """Stop its process group (idempotent)."""
         _stop(self.process)
         _LIVE_SERVERS.discard(self.process)
+
+    def restart_after_port_clash(self) -> bool:
+        """Stop a failed server and start it again on new ports if its log says a port was
+        taken; False (and nothing done) otherwise, or once the restarts are spent."""
+        clash = next(
+            (
+                line
+                for line in self.log_path.read_text(errors="replace").splitlines()
+                if "address already in use" in line.lower()
+            ),
+            None,
+        )
+        if clash is None or self._port_clash_restarts == 0:
+            return False
+        self._port_clash_restarts -= 1
+        _log(
+            f"[{self.numerics}] a port was taken before the server bound it "
+            f"({clash.strip()}); starting it again on new ports"
+        )
+        self.stop()
+        self.process, self.url = self._launch()
+        _LIVE_SERVERS.add(self.process)
+        return True
 
     def post(self, path: str, timeout: float = REQUEST_TIMEOUT_S, **body):
         import requests
@@ -200,7 +231,6 @@ def started_server(
     The server uses the GPU where torch sees one: `device` only says which the caller
     expects (and on "cpu" the server waits for requests instead of polling: --sleep-on-idle).
     """
-    port = port or _free_port_pair()
     env = dict(os.environ)
     site_code = cpu_site_code if device == "cpu" else ""
     if numerics == "default" and device == "cpu":
@@ -213,30 +243,34 @@ def started_server(
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(Path(site_dir).resolve()), env.get("PYTHONPATH")) if p
         )
-    command = [
-        *_sglang_command(),
-        "serve",
-        *("--model-path", str(model_dir), "--model-id", model_id),
-        *("--numerics", numerics, "--lora-merge-mode", "dynamic"),
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--master-port", str(_free_port())),
-        *("--num-gpus", "1", "--warmup-mode", "off"),
-        # on the CPU an idle scheduler would spin a core that the client's recompute needs
-        *(["--sleep-on-idle"] if device == "cpu" else []),
-        *extra_args,
-    ]
     log_path = log_dir / f"server-{numerics}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    _LIVE_SERVERS.add(process)
-    server = Server(process, f"http://127.0.0.1:{port}", log_path, numerics)
+
+    def launch() -> tuple[subprocess.Popen, str]:
+        server_port = port or _free_port_pair()
+        command = [
+            *_sglang_command(),
+            "serve",
+            *("--model-path", str(model_dir), "--model-id", model_id),
+            *("--numerics", numerics, "--lora-merge-mode", "dynamic"),
+            *("--host", "127.0.0.1", "--port", str(server_port)),
+            *("--master-port", str(_free_port())),
+            *("--num-gpus", "1", "--warmup-mode", "off"),
+            # on the CPU an idle scheduler would spin a core that the client's recompute needs
+            *(["--sleep-on-idle"] if device == "cpu" else []),
+            *extra_args,
+        ]
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        return process, f"http://127.0.0.1:{server_port}"
+
+    server = Server(launch, log_path, numerics, ports_picked_here=port is None)
     # The server's processes share the cores (on the GPU its idle scheduler spins on one);
     # several torch threads here would contend with them (a tiny-model recompute took 30x
     # longer on two cores). One is plenty.
@@ -253,27 +287,50 @@ def wait_until_healthy(
     server: Server, start_timeout: float = SERVER_START_TIMEOUT_S
 ) -> None:
     """Wait up to `start_timeout` seconds from now for `server` to answer /health; raises
-    with its log's tail if it exits or does not answer in time."""
+    with its log's tail if it exits, reports itself unhealthy (a failed part, such as its
+    request broker) or does not answer in time. A server that lost a port is started again
+    first (`Server.restart_after_port_clash`)."""
     import requests
 
     deadline = time.monotonic() + start_timeout
     while True:
+        failure = None
         if server.process.poll() is not None:
+            failure = f"exited with status {server.process.returncode}"
+        else:
+            try:
+                response = requests.get(server.url + "/health", timeout=2)
+                if response.status_code == 200:
+                    return
+                failure = _unhealthy_reason(response)
+            except requests.RequestException:
+                pass
+        if failure is not None:
+            if server.restart_after_port_clash():
+                deadline = time.monotonic() + start_timeout
+                continue
             raise RuntimeError(
-                f"the {server.numerics} server exited with status "
-                f"{server.process.returncode}; log {server.log_path}:\n{server.log_tail()}"
+                f"the {server.numerics} server {failure}; log {server.log_path}:\n"
+                f"{server.log_tail()}"
             )
-        try:
-            if requests.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"the {server.numerics} server was not healthy after {start_timeout:.0f} "
                 f"s; log {server.log_path}:\n{server.log_tail()}"
             )
         time.sleep(0.5)
+
+
+def _unhealthy_reason(response) -> str | None:
+    """What a /health answer of ``{"status": "unhealthy", "error": ...}`` says failed; None
+    for any other answer (a server still starting answers 503 without a body)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("status") == "unhealthy":
+        return f"is unhealthy: {body.get('error')}"
+    return None
 
 
 def _sglang_command() -> list[str]:
