@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -498,6 +499,110 @@ def timed(step, args) -> dict:
     return entry
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    size: tuple
+    stride: tuple
+    dtype: object
+
+
+def record_floor_ops(step_fn, model) -> list[tuple]:
+    """The aten GEMM and attention calls of one step, the ops whose kernels make the
+    contract floor (KERNEL_FAMILIES' "gemm" and "attention"), in issue order: (op, args,
+    kwargs) with each tensor argument either the model's own (a weight, or a view of one)
+    or a `TensorSpec` for ``floor_replay`` to fill."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    aten = torch.ops.aten
+    floor_ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,  # --device cpu
+    }
+    own = {
+        t.untyped_storage().data_ptr()
+        for t in (*model.parameters(), *model.buffers())
+    }
+
+    def spec(a):
+        if not isinstance(a, torch.Tensor) or a.untyped_storage().data_ptr() in own:
+            return a
+        return TensorSpec(tuple(a.shape), a.stride(), a.dtype)
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in floor_ops:
+                calls.append((func, tree_map(spec, args), tree_map(spec, kwargs)))
+            return func(*args, **kwargs)
+
+    with Record():
+        step_fn(0)
+    return calls
+
+
+def floor_replay(step_fn, model, args) -> dict:
+    """The contract floor run as a step would run it: ``record_floor_ops``' calls alone, the
+    other tensors random (one per shape, stride and dtype), replayed as one CUDA graph per
+    step, waited for and back to back as ``timed`` runs steps; and its kernel time. The
+    profile's floor sums these kernels as they ran between the step's other kernels, at
+    that step's SM clock; a GPU that holds its power limit clocks lower under a denser
+    stream of GEMMs, so this is the floor at the clocks a step with nothing else would get.
+    On the CPU the calls run eagerly (a dry run of the recording)."""
+    import torch
+
+    calls = record_floor_ops(step_fn, model)
+    filled: dict = {}
+
+    def fill(a):
+        if isinstance(a, TensorSpec):
+            if a not in filled:
+                filled[a] = torch.empty_strided(
+                    a.size, a.stride, dtype=a.dtype, device=args.device
+                ).normal_()
+            return filled[a]
+        return a
+
+    from torch.utils._pytree import tree_map
+
+    calls = [(op, tree_map(fill, a), tree_map(fill, k)) for op, a, k in calls]
+
+    def run(_=None):
+        for op, a, k in calls:
+            op(*a, **k)
+
+    replay = run
+    if args.device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        replay = lambda _=None: graph.replay()  # noqa: E731
+    profile = profile_step(replay, torch.nn.Module(), args.device, annotate=False)
+    return {
+        "ops": len(calls),
+        "distinct_random_inputs": len(filled),
+        **timed(replay, args),
+        "profile": {
+            k: profile.get(k)
+            for k in ("gpu_clocks", "kernel_time_ms", "families_ms", "contract_floor_ms")
+        },
+    }
+
+
 def add_floor_ratio(entry: dict, floor_entry: dict | None = None) -> None:
     """The median step over the contract floor of ``floor_entry``'s profile (default:
     the entry's own), where both exist."""
@@ -509,6 +614,10 @@ def add_floor_ratio(entry: dict, floor_entry: dict | None = None) -> None:
             entry["pipelined_over_contract_floor"] = round(
                 entry["pipelined_step_ms_median"] / floor, 3
             )
+    replayed = (floor_entry or entry).get("floor_replay") or {}
+    for key in ("step_ms_median", "pipelined_step_ms_median"):
+        if replayed.get(key) and entry.get(key):
+            entry[f"{key}_over_floor_replay"] = round(entry[key] / replayed[key], 3)
 
 
 def add_floor_ratios(variants: dict) -> None:
@@ -1378,6 +1487,8 @@ def main() -> int:
                 entry["profile"] = profile_step(
                     step, model, args.device, annotate=not entry.get("cuda_graphs")
                 )
+            if variant == "train_parity_eager" and not args.no_profile:
+                entry["floor_replay"] = floor_replay(step, model, args)
             # one step's CFG output, for the bitwise comparison of the variants
             step_outputs[variant] = step(0).detach().cpu()
             if (
@@ -1395,6 +1506,10 @@ def main() -> int:
                     if not args.no_profile:
                         shape_entry["profile"] = profile_step(
                             shape_step, model, args.device, annotate=False
+                        )
+                    if variant == "train_parity_eager" and not args.no_profile:
+                        shape_entry["floor_replay"] = floor_replay(
+                            shape_step, model, args
                         )
                     entry["extra_shapes"][f"{side}x{side} batch {batch}"] = shape_entry
                     step_outputs[(variant, extra)] = shape_step(0).detach().cpu()
@@ -1510,6 +1625,26 @@ def main() -> int:
                     for when, c in clocks.items()
                 )
             )
+    for k, e in v.items():
+        for shape, x in {"": e, **(e.get("extra_shapes") or {})}.items():
+            r = x.get("floor_replay")
+            if r:
+                c, pc = r.get("gpu_clocks") or {}, r.get("pipelined_gpu_clocks") or {}
+                print(
+                    f"{k:19s} {shape + ' ' if shape else ''}floor replay ({r['ops']} GEMM and "
+                    f"attention calls): waited for {r['step_ms_median']} ms at "
+                    f"{c.get('sm_mhz')} MHz, back to back {r.get('pipelined_step_ms_median')} "
+                    f"ms at {pc.get('sm_mhz')} MHz {pc.get('power_w')} W, kernel "
+                    f"{r['profile'].get('kernel_time_ms')} ms"
+                )
+    for k, e in v.items():
+        for shape, x in {"": e, **(e.get("extra_shapes") or {})}.items():
+            if x.get("step_ms_median_over_floor_replay"):
+                print(
+                    f"{k:19s} {shape + ' ' if shape else ''}/floor replay: waited for "
+                    f"{x['step_ms_median_over_floor_replay']}, back to back "
+                    f"{x.get('pipelined_step_ms_median_over_floor_replay')}"
+                )
     for k, e in v.items():
         t = (e.get("profile") or {}).get("device_timeline")
         if t:
