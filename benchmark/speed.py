@@ -508,11 +508,11 @@ class TensorSpec:
     dtype: object
 
 
-def record_floor_ops(step_fn, model) -> list[tuple]:
+def record_floor_ops(step_fn, model) -> tuple[list[tuple], dict]:
     """The aten GEMM and attention calls of one step, the ops whose kernels make the
     contract floor (KERNEL_FAMILIES' "gemm" and "attention"), in issue order: (op, args,
     kwargs) with each tensor argument either the model's own (a weight, or a view of one)
-    or a `TensorSpec` for ``floor_replay`` to fill."""
+    or a `TensorSpec`; and, per spec, a copy of the first tensor the step passed with it."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
@@ -532,11 +532,17 @@ def record_floor_ops(step_fn, model) -> list[tuple]:
         t.untyped_storage().data_ptr()
         for t in (*model.parameters(), *model.buffers())
     }
+    examples: dict = {}
 
     def spec(a):
         if not isinstance(a, torch.Tensor) or a.untyped_storage().data_ptr() in own:
             return a
-        return TensorSpec(tuple(a.shape), a.stride(), a.dtype)
+        key = TensorSpec(tuple(a.shape), a.stride(), a.dtype)
+        if key not in examples:
+            examples[key] = torch.empty_strided(
+                a.shape, a.stride(), dtype=a.dtype, device=a.device
+            ).copy_(a)
+        return key
 
     calls = []
 
@@ -549,32 +555,24 @@ def record_floor_ops(step_fn, model) -> list[tuple]:
 
     with Record():
         step_fn(0)
-    return calls
+    return calls, examples
 
 
 def floor_replay(step_fn, model, args) -> dict:
-    """The contract floor run as a step would run it: ``record_floor_ops``' calls alone, the
-    other tensors random (one per shape, stride and dtype), replayed as one CUDA graph per
-    step, waited for and back to back as ``timed`` runs steps; and its kernel time. The
-    profile's floor sums these kernels as they ran between the step's other kernels, at
-    that step's SM clock; a GPU that holds its power limit clocks lower under a denser
-    stream of GEMMs, so this is the floor at the clocks a step with nothing else would get.
-    On the CPU the calls run eagerly (a dry run of the recording)."""
+    """The contract floor run as a step would run it: ``record_floor_ops``' calls alone
+    (each activation argument the step's first of its shape, stride and dtype), replayed
+    as one CUDA graph per step, waited for and back to back as ``timed`` runs steps; and
+    its kernel time. The profile's floor sums these kernels as they ran between the step's
+    other kernels, at that step's SM clock; a GPU held at its power limit clocks lower
+    under a denser stream of GEMMs, so this is the floor at the clocks a step of nothing
+    else gets. On the CPU the calls run eagerly (a dry run of the recording)."""
     import torch
+    from torch.utils._pytree import tree_map
 
-    calls = record_floor_ops(step_fn, model)
-    filled: dict = {}
+    calls, examples = record_floor_ops(step_fn, model)
 
     def fill(a):
-        if isinstance(a, TensorSpec):
-            if a not in filled:
-                filled[a] = torch.empty_strided(
-                    a.size, a.stride, dtype=a.dtype, device=args.device
-                ).normal_()
-            return filled[a]
-        return a
-
-    from torch.utils._pytree import tree_map
+        return examples[a] if isinstance(a, TensorSpec) else a
 
     calls = [(op, tree_map(fill, a), tree_map(fill, k)) for op, a, k in calls]
 
@@ -596,7 +594,7 @@ def floor_replay(step_fn, model, args) -> dict:
     profile = profile_step(replay, torch.nn.Module(), args.device, annotate=False)
     return {
         "ops": len(calls),
-        "distinct_random_inputs": len(filled),
+        "distinct_activation_inputs": len(examples),
         **timed(replay, args),
         "profile": {
             k: profile.get(k)
