@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmark import speed  # noqa: E402
+from benchmark import gpu_common, speed  # noqa: E402
 
 REPEATS = 10
 SLEEP_CYCLES = 60_000_000  # about 30 ms at 2 GHz: longer than any launch
@@ -90,22 +90,6 @@ def replay_timings(launch) -> dict:
     return {k: round(v, 3) for k, v in result.items()}
 
 
-def captured(body):
-    """A CUDA graph of ``body()``, run once on a side stream first, as capture
-    requires."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
-
-
 def tiny_graph(kernels: int, sleep_cycles: int = 0, first=None, last=None):
     import torch
 
@@ -121,7 +105,7 @@ def tiny_graph(kernels: int, sleep_cycles: int = 0, first=None, last=None):
         if last is not None:
             last()
 
-    return captured(body)
+    return gpu_common.captured(body)
 
 
 def gemm_kernels() -> dict:
@@ -168,7 +152,7 @@ def many_kernel_graphs() -> dict:
     }
     timings = {}
     for name, call in calls.items():
-        graph = captured(lambda call=call: [call() for _ in range(3000)])
+        graph = gpu_common.captured(lambda call=call: [call() for _ in range(3000)])
         timings[f"3000 x {name}"] = replay_timings(graph.replay)
     return timings
 

@@ -582,14 +582,7 @@ def floor_replay(step_fn, model, args) -> dict:
 
     replay = run
     if args.device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph = gpu_common.captured(run)
         replay = lambda _=None: graph.replay()  # noqa: E731
     profile = profile_step(replay, torch.nn.Module(), args.device, annotate=False)
     return {
