@@ -13,6 +13,8 @@ One process, the variants one after another (each ~41 GB of weights; the first v
 seen to stay resident after it was dropped, so later variants record `leftover_gib_before_build`).
 Per variant: median / p10 / p90 of `--steps` timed steps after `--warmup` steps (CUDA events), peak
 GPU memory, then one profiled step (torch.profiler) broken down by kernel family and by module class.
+`train_parity_eager` also gets a floor replay (`floor_replay`): its step's GEMM and attention calls
+alone, replayed as one CUDA graph per step, which every train_parity variant is compared with.
 
     python benchmark/speed.py [--device cuda|cpu] [--tiny] [--layers 60] [--steps 20] [--out PATH]
 
