@@ -600,7 +600,8 @@ def floor_replay(step_fn, model, args) -> dict:
 
 def add_floor_ratio(entry: dict, floor_entry: dict | None = None) -> None:
     """The median step over the contract floor of ``floor_entry``'s profile (default:
-    the entry's own), where both exist."""
+    the entry's own), where both exist; and, waited for and back to back, over its
+    floor replay, where it has one."""
     floor = ((floor_entry or entry).get("profile") or {}).get("contract_floor_ms")
     if floor and entry.get("step_ms_median"):
         entry["contract_floor_ms"] = floor
@@ -1402,6 +1403,8 @@ def main() -> int:
         harness = gpu_common.DefaultPathHarness() if variant == "default" else None
         model = step = None
         train_parity_kernels.FUSED_KERNELS = variant != "train_parity_eager"
+        # the variant whose profile gives the train_parity variants' floor
+        replays_floor = variant == "train_parity_eager" and not args.no_profile
         try:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
@@ -1482,7 +1485,7 @@ def main() -> int:
                 entry["profile"] = profile_step(
                     step, model, args.device, annotate=not entry.get("cuda_graphs")
                 )
-            if variant == "train_parity_eager" and not args.no_profile:
+            if replays_floor:
                 entry["floor_replay"] = floor_replay(step, model, args)
             # one step's CFG output, for the bitwise comparison of the variants
             step_outputs[variant] = step(0).detach().cpu()
@@ -1502,7 +1505,7 @@ def main() -> int:
                         shape_entry["profile"] = profile_step(
                             shape_step, model, args.device, annotate=False
                         )
-                    if variant == "train_parity_eager" and not args.no_profile:
+                    if replays_floor:
                         shape_entry["floor_replay"] = floor_replay(
                             shape_step, model, args
                         )
