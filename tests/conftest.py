@@ -3,6 +3,15 @@ the series review and upstream's unit suite running beside the other tests."""
 
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per process, set before anything imports torch, and inherited by every
+# process the tests start (servers, CLIs, the background commands): the tests run tiny models,
+# and on CI's two cores several test processes run at once, where more threads only contend
+# (a full run took 16.1 min of tests with torch's default of two threads, 14.4 min with one;
+# docs/maintaining.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import subprocess
 import sys
 import zipfile
