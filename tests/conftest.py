@@ -8,8 +8,7 @@ import os
 # One OpenMP thread per process, set before anything imports torch, and inherited by every
 # process the tests start (servers, CLIs, the background commands): the tests run tiny models,
 # and on CI's two cores several test processes run at once, where more threads only contend
-# (a full run took 16.1 min of tests with torch's default of two threads, 14.4 min with one;
-# docs/maintaining.md).
+# (docs/maintaining.md has the measurement).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import subprocess
