@@ -9,7 +9,8 @@ Each drop runs `speed.py --variants train_parity` from an overlay of the
 installed fork (symbolic links, with one file edited) ahead of the install on
 PYTHONPATH; `none` runs the overlay unedited, as the baseline. A dropped step
 computes something else: only the times mean anything. The passes, each only
-for the image stream (1024 rows or more):
+for the image stream (sequences of 1024 tokens or more; the prompts are
+shorter):
 
 * `gated-residual`: `train_parity_kernels.gated_residual` returns the residual;
 * `layernorm`: `train_parity_kernels.layer_norm_scale_shift` returns its input;
