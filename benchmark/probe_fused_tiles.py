@@ -18,6 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))  # the fork's tools (torch only)
 
 from benchmark import gpu_common  # noqa: E402
 
@@ -50,9 +51,12 @@ def graph_us(fn) -> float:
 
 
 def checked_timing(fn, expected) -> dict:
-    """``fn``'s output checked bitwise against ``expected`` (None: not checked) and
-    its CUDA-graph time; an exception becomes the entry's error."""
+    """``fn``'s output (a tensor, or a sequence of them compared as one flat
+    tensor) checked bitwise against ``expected`` (None: not checked), with the
+    ULP distance where not equal, and its CUDA-graph time; an exception becomes
+    the entry's error."""
     import torch
+    from sglang_train_parity.compare import ulp_distance
 
     from sglang.multimodal_gen.runtime.layers.train_parity_kernels import bitwise_equal
 
@@ -63,9 +67,14 @@ def checked_timing(fn, expected) -> dict:
         if expected is not None:
             entry["equal"] = bitwise_equal(got, expected)
             if not entry["equal"]:
-                differ = got.view(torch.int16) != expected.view(torch.int16)
+                got_bits, expected_bits = (
+                    torch.cat([t.reshape(-1) for t in v]) if isinstance(v, (list, tuple)) else v
+                    for v in (got, expected)
+                )
+                differ = got_bits.view(torch.int16) != expected_bits.view(torch.int16)
                 entry["differing"] = int(differ.sum())
                 entry["first"] = differ.nonzero()[:4].tolist()
+                entry["max_ulp"] = ulp_distance(got_bits, expected_bits)
         entry["us"] = round(graph_us(fn), 1)
     except Exception as e:
         entry = {"error": f"{type(e).__name__}: {e}"[:600]}

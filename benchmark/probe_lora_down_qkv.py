@@ -4,8 +4,8 @@ the three `F.linear(x, A)` calls the contract runs (cuBLAS, K = 3072, no
 split)? Run 76 (docs/results.md) found the image stream's LoRA-A GEMMs the
 largest pass left in the Qwen-Image train_parity step.
 
-Candidates, each against the three calls with `torch.equal` (ULP distance where
-not equal), and timed as 100 calls replayed in a CUDA graph:
+Candidates, each checked bitwise against the three calls (ULP distance where
+not equal) and timed by CUDA-graph replay (`probe_fused_tiles.checked_timing`):
 
 * `cublas_concat`: one `F.linear(x, cat([A_q, A_k, A_v]))`, its output split
   (cuBLAS picks its kernel for N = 3r, which may split K);
@@ -14,10 +14,12 @@ not equal), and timed as 100 calls replayed in a CUDA graph:
   unsplit kernels accumulate, patch 0019), one BF16 rounding, three outputs;
   for each tile choice.
 
-Standalone (torch + triton). `--interpret` checks the Triton kernel's index
-math on the CPU under TRITON_INTERPRET=1 against an FP32 product (no bits).
+The GPU run compares with the installed fork's `bitwise_equal`
+(PYTHONPATH=/tmp/site on the device machine). `--interpret` checks the Triton
+kernel's index math on the CPU under TRITON_INTERPRET=1 against an FP32
+product (no bits).
 
-    python3 benchmark/probe_lora_down_qkv.py --out $OUT/lora_down_qkv.json
+    PYTHONPATH=/tmp/site python3 benchmark/probe_lora_down_qkv.py --out $OUT/lora_down_qkv.json
     TRITON_INTERPRET=1 python3 benchmark/probe_lora_down_qkv.py --interpret
 """
 
@@ -33,9 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# the fork's tools (torch only), so the probe runs without the fork installed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from sglang_train_parity.compare import ulp_distance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark.probe_fused_tiles import checked_timing  # noqa: E402
 
 # (BLOCK_M, BLOCK_K, num_stages, num_warps)
 TILES = [(32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 3, 4), (128, 64, 3, 8)]
@@ -97,25 +98,6 @@ def lora_down_qkv(x, a_q, a_k, a_v, tiles):
     return outs
 
 
-def graph_us(fn, calls=100):
-    """µs per call of `fn`, `calls` calls captured in one CUDA graph, replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (5 * calls)
-
-
 def operands(rows, inner, rank, device, gen):
     # LayerNorm-scaled activations and LoRA-A at PEFT's kaiming-uniform scale
     x = (torch.randn(rows, inner, generator=gen, device=device) * 1.3).bfloat16()
@@ -125,13 +107,6 @@ def operands(rows, inner, rank, device, gen):
         for _ in range(3)
     ]
     return x, a
-
-
-def compare(got, want):
-    return {
-        "bitwise": all(map(torch.equal, got, want)),
-        "max_ulp": max(ulp_distance(g, w) for g, w in zip(got, want)),
-    }
 
 
 def interpret_check():
@@ -175,21 +150,15 @@ def main():
             "rows": rows,
             "inner": args.inner,
             "rank": args.rank,
-            "three_f_linear_us": graph_us(lambda: [F.linear(x, weight) for weight in a]),
-            "cublas_concat": {
-                **compare(F.linear(x, concat).split(args.rank, dim=1), want),
-                "us": graph_us(lambda: F.linear(x, concat)),
-            },
-            "triton": [],
+            "three_f_linear": checked_timing(lambda: [F.linear(x, w) for w in a], None),
+            "cublas_concat": checked_timing(
+                lambda: F.linear(x, concat).split(args.rank, dim=1), want
+            ),
+            "triton": [
+                {"tiles": tiles, **checked_timing(lambda: lora_down_qkv(x, *a, tiles), want)}
+                for tiles in TILES
+            ],
         }
-        for tiles in TILES:
-            try:
-                got = lora_down_qkv(x, *a, tiles)
-            except Exception as exc:  # a tile choice that does not compile or launch
-                case["triton"].append({"tiles": tiles, "error": repr(exc)[:300]})
-                continue
-            us = graph_us(lambda: lora_down_qkv(x, *a, tiles))
-            case["triton"].append({"tiles": tiles, **compare(got, want), "us": us})
         print(json.dumps(case), flush=True)
         results["cases"].append(case)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
