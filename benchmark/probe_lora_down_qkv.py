@@ -14,8 +14,9 @@ not equal) and timed by CUDA-graph replay (`probe_fused_tiles.checked_timing`):
   unsplit kernels accumulate, patch 0019), one BF16 rounding, three outputs;
   for each tile choice.
 
-The GPU run compares with the installed fork's `bitwise_equal`
-(PYTHONPATH=/tmp/site on the device machine). `--interpret` checks the Triton
+The GPU run compares with the installed fork's `bitwise_equal`, with the stand-ins
+of `gpu_common.setup` for the packages the device image lacks (PYTHONPATH=/tmp/site
+on the device machine). `--interpret` checks the Triton
 kernel's index math on the CPU under TRITON_INTERPRET=1 against an FP32
 product (no bits).
 
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmark import gpu_common  # noqa: E402
 from benchmark.probe_fused_tiles import checked_timing  # noqa: E402
 
 # (BLOCK_M, BLOCK_K, num_stages, num_warps)
@@ -140,6 +142,7 @@ def main():
         return
     if not args.out:
         ap.error("--out is required for a GPU run")
+    gpu_common.setup("cuda", "off")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     for rows in map(int, args.rows.split(",")):
