@@ -14,11 +14,11 @@ not equal) and timed by CUDA-graph replay (`probe_fused_tiles.checked_timing`):
   unsplit kernels accumulate, patch 0019), one BF16 rounding, three outputs;
   for each tile choice.
 
-The GPU run compares with the installed fork's `bitwise_equal`, with the stand-ins
-of `gpu_common.setup` for the packages the device image lacks (PYTHONPATH=/tmp/site
-on the device machine). `--interpret` checks the Triton
-kernel's index math on the CPU under TRITON_INTERPRET=1 against an FP32
-product (no bits).
+The GPU run compares with the installed fork's `bitwise_equal`
+(PYTHONPATH=/tmp/site on the device machine), under `gpu_common.setup`'s
+stand-ins for the packages the device image lacks. `--interpret` checks the
+Triton kernel's index math on the CPU under TRITON_INTERPRET=1 against an
+FP32 product (no bits).
 
     PYTHONPATH=/tmp/site python3 benchmark/probe_lora_down_qkv.py --out $OUT/lora_down_qkv.json
     TRITON_INTERPRET=1 python3 benchmark/probe_lora_down_qkv.py --interpret
