@@ -6,10 +6,12 @@ differs with the right adapter, is caught and named by fingerprints alone."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from sglang_train_parity import rollout_demo as demo
-from sglang_train_parity.fingerprints import verify_rollout
+from sglang_train_parity.fingerprints import MalformedFingerprints, verify_rollout
 from sglang_train_parity.policy import trainer_policy_checksum
 
 pytestmark = pytest.mark.slow
@@ -88,7 +90,10 @@ def test_fingerprints_can_be_declined(server, served):
 
 
 def test_verifier_refuses_what_it_cannot_compare():
-    record = {"format": "sglang-rollout-fingerprint/v1", "steps": [{"step": 0}]}
+    record = {
+        "format": "sglang-rollout-fingerprint/v1",
+        "steps": [{"step": 0, "adapter": "0" * 64}],
+    }
     with pytest.raises(ValueError, match=r"steps \[3\] are not in the rollout"):
         verify_rollout(record, {3: {"combined": torch.zeros(1)}})
     with pytest.raises(ValueError, match="this verifier reads"):
@@ -122,3 +127,64 @@ def test_each_step_is_checked_against_the_adapter_that_ran_it():
     assert "the engine ran another adapter than the trainer's" in verdict.explain()
     with pytest.raises(ValueError, match=r"no trainer adapter given .* steps \[2\]"):
         verify_rollout(record, steps, {0: "high-noise", 1: "high-noise"})
+
+
+def _record(outputs, steps=(0, 1)):
+    from sglang.multimodal_gen.runtime.post_training.rollout_fingerprints import (
+        tensor_fingerprint,
+    )
+
+    return {
+        "format": "sglang-rollout-fingerprint/v1",
+        "steps": [
+            {"step": step, "adapter": "a" * 64, "combined": tensor_fingerprint(out)}
+            for step, out in zip(steps, outputs)
+        ],
+    }
+
+
+def test_a_step_recorded_twice_is_refused():
+    """A doctored record placed before the real one used to pass: the verifier kept the
+    last record of each step."""
+    real = torch.ones(3, dtype=torch.bfloat16)
+    doctored = torch.zeros(3, dtype=torch.bfloat16)
+    record = _record([real, real])
+    assert verify_rollout(record, {0: {"combined": real}}, "a" * 64).ok
+    forged = _record([doctored, real, real], steps=(0, 0, 1))
+    with pytest.raises(MalformedFingerprints, match=r"steps \[0\] are recorded more"):
+        verify_rollout(forged, {0: {"combined": doctored}}, "a" * 64)
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda r: r.pop("adapter"), "record 1 (step 1) has no adapter checksum"),
+        (lambda r: r.pop("step"), "record 1 has step None"),
+        (lambda r: r.update(step=True), "record 1 has step True"),
+        (lambda r: r.update(step=-1), "record 1 has step -1"),
+        (lambda r: r.update(combined="sha:1"), "has combined='sha:1', not a dtype"),
+        (lambda r: r.update(combined=None), "has combined=None"),
+    ],
+    ids=["no adapter", "no step", "bool step", "negative step", "bad hash", "no hash"],
+)
+def test_a_malformed_record_is_refused_by_name(edit, named):
+    """A record without `adapter` used to raise a bare KeyError."""
+    out = torch.ones(3, dtype=torch.bfloat16)
+    record = _record([out, out])
+    edit(record["steps"][1])
+    with pytest.raises(MalformedFingerprints, match=re.escape(named)):
+        verify_rollout(record, {0: {"combined": out}}, "a" * 64)
+
+
+@pytest.mark.parametrize(
+    "fingerprints, named",
+    [
+        ({"format": "sglang-rollout-fingerprint/v1"}, "is NoneType, not a list"),
+        ({"format": "sglang-rollout-fingerprint/v1", "steps": [3]}, "record 0 is a int"),
+        ([1], "rollout_fingerprints is a list"),
+    ],
+    ids=["no steps", "record not an object", "not an object"],
+)
+def test_fingerprints_of_the_wrong_form_are_refused(fingerprints, named):
+    with pytest.raises(MalformedFingerprints, match=re.escape(named)):
+        verify_rollout(fingerprints, {})

@@ -24,7 +24,8 @@ index: ``{0: adapter_1, 1: adapter_1, 2: adapter_2, ...}``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,66 @@ def step_fingerprints(outputs: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_fingerprint(tensor) for name, tensor in outputs.items()}
 
 
+class MalformedFingerprints(ValueError):
+    """The rollout's fingerprints cannot be trusted as a record of its steps: a step
+    recorded twice, a record without its step or adapter, a value of the wrong form."""
+
+
+_FINGERPRINT = re.compile(r"[a-z0-9_]+:(\d+(x\d+)*)?:[0-9a-f]{64}")
+
+
+def _record_problems(index: int, record: Any) -> Iterator[str]:
+    if not isinstance(record, Mapping):
+        yield f"record {index} is a {type(record).__name__}, not an object"
+        return
+    step = record.get("step")
+    if type(step) is not int or step < 0:
+        yield f"record {index} has step {step!r}, not a non-negative integer"
+    if not isinstance(record.get("adapter"), str) or not record["adapter"]:
+        yield f"record {index} (step {step!r}) has no adapter checksum"
+    for name, value in record.items():
+        if name in ("step", "adapter"):
+            continue
+        if not isinstance(value, str) or not _FINGERPRINT.fullmatch(value):
+            yield (
+                f"record {index} (step {step!r}) has {name}={value!r}, not a "
+                "dtype:shape:sha256 fingerprint"
+            )
+
+
+def served_steps(rollout_fingerprints: Mapping[str, Any] | None) -> dict[int, Mapping]:
+    """The rollout's records by step, after checking that each is well formed and that no
+    step is recorded twice (a doctored record placed beside the real one must not pass)."""
+    if not rollout_fingerprints:
+        raise ValueError(
+            "the rollout carries no fingerprints: serve with --numerics train_parity "
+            "(or request rollout_return_fingerprints=true)"
+        )
+    if not isinstance(rollout_fingerprints, Mapping):
+        raise MalformedFingerprints(
+            f"rollout_fingerprints is a {type(rollout_fingerprints).__name__}, "
+            "not an object"
+        )
+    if rollout_fingerprints.get("format") != ROLLOUT_FINGERPRINT_FORMAT:
+        raise ValueError(
+            f"fingerprint format {rollout_fingerprints.get('format')!r}, this verifier "
+            f"reads {ROLLOUT_FINGERPRINT_FORMAT!r}"
+        )
+    records = rollout_fingerprints.get("steps")
+    if not isinstance(records, list):
+        raise MalformedFingerprints(
+            f"rollout_fingerprints['steps'] is {type(records).__name__}, not a list"
+        )
+    problems = [p for i, r in enumerate(records) for p in _record_problems(i, r)]
+    if problems:
+        raise MalformedFingerprints("; ".join(problems))
+    steps = [record["step"] for record in records]
+    repeated = sorted({step for step in steps if steps.count(step) > 1})
+    if repeated:
+        raise MalformedFingerprints(f"steps {repeated} are recorded more than once")
+    return {record["step"]: record for record in records}
+
+
 def verify_rollout(
     rollout_fingerprints: Mapping[str, Any] | None,
     trainer_steps: Mapping[int, Mapping[str, torch.Tensor]],
@@ -101,18 +162,9 @@ def verify_rollout(
 ) -> Verdict:
     """Compare a rollout's fingerprints with the trainer's outputs of the same steps.
     `trainer_adapter`: the adapter checksum every step ran with, or one per recomputed step
-    (by step index), or None not to compare adapters."""
-    if not rollout_fingerprints:
-        raise ValueError(
-            "the rollout carries no fingerprints: serve with --numerics train_parity "
-            "(or request rollout_return_fingerprints=true)"
-        )
-    if rollout_fingerprints.get("format") != ROLLOUT_FINGERPRINT_FORMAT:
-        raise ValueError(
-            f"fingerprint format {rollout_fingerprints.get('format')!r}, this verifier "
-            f"reads {ROLLOUT_FINGERPRINT_FORMAT!r}"
-        )
-    served = {record["step"]: record for record in rollout_fingerprints["steps"]}
+    (by step index), or None not to compare adapters. Raises `MalformedFingerprints` for
+    records that cannot be trusted (see `served_steps`)."""
+    served = served_steps(rollout_fingerprints)
     unknown = sorted(set(trainer_steps) - set(served))
     if unknown:
         raise ValueError(f"steps {unknown} are not in the rollout ({sorted(served)})")
