@@ -3,6 +3,8 @@ stopped when the package's tests are done."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from sglang_train_parity import rollout_demo as demo
 
@@ -23,9 +25,14 @@ def adapters(model_dir):
 
 @pytest.fixture(scope="package")
 def server(model_dir, tmp_path_factory):
-    with demo.serve(
-        model_dir, "train_parity", tmp_path_factory.mktemp("logs")
-    ) as server:
+    """The server runs two intra-op threads where the tests' processes run one, so every
+    parity check here also checks that the trainer's recompute runs with the rollout's
+    thread count (`sglang_train_parity.fingerprints.rollout_threads`)."""
+    with contextlib.ExitStack() as serving:
+        with pytest.MonkeyPatch.context() as env:  # read when the server starts
+            env.setenv("OMP_NUM_THREADS", "2")
+            logs = tmp_path_factory.mktemp("logs")
+            server = serving.enter_context(demo.serve(model_dir, "train_parity", logs))
         yield server
 
 

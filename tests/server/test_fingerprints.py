@@ -6,12 +6,17 @@ differs with the right adapter, is caught and named by fingerprints alone."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 import torch
 from sglang_train_parity import rollout_demo as demo
-from sglang_train_parity.fingerprints import MalformedFingerprints, verify_rollout
+from sglang_train_parity.fingerprints import (
+    MalformedFingerprints,
+    rollout_threads,
+    verify_rollout,
+)
 from sglang_train_parity.policy import trainer_policy_checksum
 
 pytestmark = pytest.mark.slow
@@ -188,3 +193,29 @@ def test_a_malformed_record_is_refused_by_name(edit, named):
 def test_fingerprints_of_the_wrong_form_are_refused(fingerprints, named):
     with pytest.raises(MalformedFingerprints, match=re.escape(named)):
         verify_rollout(fingerprints, {})
+
+
+def test_fifty_cpu_steps_are_bitwise_with_the_rollouts_thread_count(server, served):
+    """CPU reductions split their work by torch's intra-op thread count (the control below).
+    The fingerprints carry the server's count (this server runs 2, the tests' processes 1),
+    and the trainer's recompute runs with it (`rollout_threads`): 50 steps bitwise."""
+    rollout = demo.request_rollout(
+        server, **{**PRODUCTION, "num_inference_steps": 50, "seed": 7}
+    )
+    fingerprints = rollout["rollout_fingerprints"]
+    assert fingerprints["cpu_threads"] == 2 != torch.get_num_threads()
+    steps = demo.trainer_step_outputs(served, rollout, CFG)
+    verdict = verify_rollout(fingerprints, steps, _adapter(served))
+    assert verdict.ok and len(verdict.steps) == 50, verdict.explain()
+
+
+def test_cpu_bits_depend_on_the_thread_count():
+    """The control for `rollout_threads`: a CPU sum large enough to be split across threads
+    rounds differently with 1 and 2 threads."""
+    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
+    sums = {}
+    for threads in (1, 2):
+        with rollout_threads({"cpu_threads": threads}):
+            assert torch.get_num_threads() == threads
+            sums[threads] = x.sum()
+    assert not torch.equal(sums[1], sums[2])

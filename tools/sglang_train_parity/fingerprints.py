@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,25 @@ class Verdict:
         )
 
 
+@contextmanager
+def rollout_threads(rollout_fingerprints: Mapping[str, Any] | None) -> Iterator[None]:
+    """Run the trainer's CPU recompute of a rollout with the intra-op thread count the
+    rollout ran with (its fingerprints' ``cpu_threads``, present when the server's DiT ran
+    on the CPU): CPU reductions split their work by the thread count, so a 50-step rollout
+    served with 2 threads and recomputed with 1 differs at some steps. A GPU rollout leaves
+    the count as it is."""
+    threads = (rollout_fingerprints or {}).get("cpu_threads")
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def step_fingerprints(outputs: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """The fingerprints of one step's outputs, by name."""
     return {name: tensor_fingerprint(tensor) for name, tensor in outputs.items()}
@@ -144,6 +164,11 @@ def served_steps(rollout_fingerprints: Mapping[str, Any] | None) -> dict[int, Ma
     if not isinstance(records, list):
         raise MalformedFingerprints(
             f"rollout_fingerprints['steps'] is {type(records).__name__}, not a list"
+        )
+    threads = rollout_fingerprints.get("cpu_threads")
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise MalformedFingerprints(
+            f"cpu_threads is {threads!r}, not a positive integer"
         )
     problems = [p for i, r in enumerate(records) for p in _record_problems(i, r)]
     if problems:

@@ -452,7 +452,14 @@ def trainer_step_outputs(
 
     `device` "cpu": CUDA's autocast policy emulated on the CPU, diffusers' ``native``
     attention; "cuda": real ``torch.autocast("cuda", bf16)`` and ``_native_flash`` (`model`
-    on the GPU)."""
+    on the GPU); on the CPU with the rollout's thread count (`rollout_threads`)."""
+    from sglang_train_parity.fingerprints import rollout_threads
+
+    with rollout_threads(rollout.get("rollout_fingerprints")):
+        return _trainer_step_outputs(model, rollout, cfg_scale, device)
+
+
+def _trainer_step_outputs(model, rollout, cfg_scale, device):
     from sglang_train_parity.autocast_emulation import cuda_autocast
     from sglang_train_parity.reference import ATTENTION_BACKEND
 
@@ -867,7 +874,7 @@ def parity_of_update(
     fingerprints differ, the same rollout is requested again with its debug tensors to
     measure how far apart they are; `per_step`, if given, gets each step's (max, mean)
     appended, `experts_by_step` which expert ran each step."""
-    from sglang_train_parity.fingerprints import verify_rollout
+    from sglang_train_parity.fingerprints import rollout_threads, verify_rollout
     from sglang_train_parity.policy import trainer_policy_checksum
 
     for expert, adapter in adapters.items():
@@ -889,7 +896,8 @@ def parity_of_update(
     same_policy = all(policy_checksum(server, e) == checksums[e] for e in trainers)
     request = {**demo.request, **rollout_overrides}
     rollout = request_rollout(server, request, rollout_debug_mode=False)
-    steps, experts = demo.step_outputs(trainers, rollout, device)
+    with rollout_threads(rollout["rollout_fingerprints"]):
+        steps, experts = demo.step_outputs(trainers, rollout, device)
     if experts_by_step is not None:
         experts_by_step.update(experts)
     verdict = verify_rollout(
@@ -901,7 +909,8 @@ def parity_of_update(
         return None, None, same_policy, verdict
     # the explanation: the same rollout, with the tensors the fingerprints summarize
     rollout = request_rollout(server, request, rollout_debug_mode=True)
-    steps, _ = demo.step_outputs(trainers, rollout, device)
+    with rollout_threads(rollout["rollout_fingerprints"]):
+        steps, _ = demo.step_outputs(trainers, rollout, device)
     expected = torch.stack([steps[step][demo.combined] for step in sorted(steps)])
     diff = (rollout_model_outputs(rollout).float() - expected.float()).abs()
     if per_step is not None:

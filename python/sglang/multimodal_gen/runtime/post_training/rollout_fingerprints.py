@@ -8,7 +8,7 @@ tensors (``rollout_debug_mode``) and comparing them.
 
 Format ``ROLLOUT_FINGERPRINT_FORMAT``, one record per output (row of the batch)::
 
-    {"format": "sglang-rollout-fingerprint/v1",
+    {"format": "sglang-rollout-fingerprint/v1", "cpu_threads": 2,
      "steps": [{"step": 0, "adapter": <hex>, "conditional": <fp>,
                 "unconditional": <fp>, "combined": <fp>}, ...]}
 
@@ -22,6 +22,9 @@ Format ``ROLLOUT_FINGERPRINT_FORMAT``, one record per output (row of the batch):
 * ``adapter``: the ``adapter`` checksum of ``policy_checksum.py`` for the DiT that
   ran the step (what ``/get_policy_checksum`` reports), so a mismatch can be told
   apart as a synced-adapter problem or a numerics one.
+* ``cpu_threads`` (only when the DiT ran on the CPU): torch's intra-op thread
+  count. CPU reductions split their work by it, so a recompute matches bitwise
+  only with the same count.
 
 Outputs are kept on their device during the loop and hashed when the rollout
 ends, so recording adds no synchronization per step.
@@ -69,6 +72,7 @@ class RolloutFingerprints:
     def __init__(self) -> None:
         self._steps: list[tuple[int, str, list[tuple[str, torch.Tensor]]]] = []
         self._adapters: dict[int, str] = {}
+        self._cpu_threads: int | None = None
 
     def record_step(
         self,
@@ -84,6 +88,8 @@ class RolloutFingerprints:
         ]
         if id(model) not in self._adapters:
             self._adapters[id(model)] = cached_adapter_checksum(model)
+        if outputs[0][1].device.type == "cpu":
+            self._cpu_threads = torch.get_num_threads()
         self._steps.append((step_index, self._adapters[id(model)], outputs))
 
     def per_output(self) -> list[dict[str, Any]]:
@@ -96,9 +102,11 @@ class RolloutFingerprints:
             for step, adapter, outputs in self._steps
         ]
         rows = steps[0][2][0][1].shape[0]
+        threads = {} if self._cpu_threads is None else {"cpu_threads": self._cpu_threads}
         return [
             {
                 "format": ROLLOUT_FINGERPRINT_FORMAT,
+                **threads,
                 "steps": [
                     {
                         "step": step,

@@ -101,6 +101,7 @@ def test_steps_are_recorded_per_output_row():
     assert len(records) == 2
     for row, record in enumerate(records):
         assert record["format"] == ROLLOUT_FINGERPRINT_FORMAT
+        assert record["cpu_threads"] == torch.get_num_threads()
         assert [s["step"] for s in record["steps"]] == [0, 1]
         for step, (cond, uncond, combined) in zip(record["steps"], outputs):
             assert step == {
