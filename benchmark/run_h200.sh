@@ -2,7 +2,8 @@
 # What the device call runs on the H200 (see docs/results.md for the exact `run` tool call).
 #
 #   bash benchmark/run_h200.sh [parity|speed|tool|demo|fingerprints|wan-parity|wan-speed|wan|
-#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|kernels|all]
+#                               qwen21-unit|qwen21-parity|qwen21-speed|ltx2-unit|ltx2|kernels|
+#                               alpha-update|all]
 #
 # Several targets separated by commas run in one go, in this file's order (one wheel install).
 #
@@ -21,6 +22,11 @@
 # then default) with benchmark/demo_site's harness in every process (benchmark/server_harness.py);
 # not part of `all`; without DEMO_MODEL_ID it also runs `fingerprints` (benchmark/fingerprint_cost.py:
 # what per-step rollout fingerprints cost at real Qwen-Image sizes).
+#
+# alpha-update: benchmark/server_alpha_update.py, the real `sglang serve` (train_parity, CUDA graphs)
+# on the tiny Qwen-Image: an adapter pushed twice as the same CUDA tensors over IPC, the second
+# time with another lora_alpha (its A/B stay in their storage), each rollout bitwise against the
+# trainer's recompute, then a 50-step rollout; not part of `all`.
 #
 # Needs the carried wheel folder .whl/ (git-ignored; made by benchmark/prepare_wheels.sh): the fork
 # built for cp312 from the pinned upstream wheel, diffusers 0.42.1 and the small pure/cp312 packages
@@ -195,6 +201,16 @@ PY
     fi
     # the server logs' errors, if any
     grep -h -E "Traceback|Error|error:" "$OUT"/demo-logs/server-*.log 2>/dev/null | grep -v "^\[server_harness\]" | sort | uniq -c | sort -rn | head -20
+fi
+if wants alpha-update; then
+    PYTHONPATH="$PWD/benchmark/demo_site:$PYTHONPATH" timeout "${ALPHA_UPDATE_TIMEOUT:-420}" \
+        python3 benchmark/server_alpha_update.py --log-dir "$OUT/alpha-logs" \
+        --report "$OUT/alpha_update.json" >"$OUT/alpha_update.log" 2>&1
+    arc=$?
+    echo "server alpha update exit $arc"; rc=$((rc | arc))
+    grep -v "^\[server_harness\]" "$OUT/alpha_update.log" | tail -20
+    grep -h -E "captured a CUDA graph|runs eagerly, without a CUDA graph|Traceback|Error" \
+        "$OUT/alpha-logs/server-train_parity.log" | cut -c1-160 | sort | uniq -c
 fi
 if wants tool; then
     # the shipped `sglang-train-parity check` on the GPU (real autocast, _native_flash), tiny model
