@@ -9,11 +9,13 @@ second time it is seen (the first call runs eagerly, which is also where the
 fused kernels check themselves against their eager chains).
 
 A graph holds the addresses of the DiT's parameters and buffers and the
-Python state its forward branched on. Before every call the DiT's state is
-read again (its module tree, parameter and buffer storage, each LoRA layer's
-enabled and merged flags, the runtime LoRA scale); when any of it has
-changed, as after a weight or adapter update, every graph is dropped and
-captured anew. Calls a graph cannot replay exactly run eagerly: with
+Python values its forward branched on or computed with. Before every call
+the DiT's state is read again (its module tree, parameter and buffer
+storage, each LoRA layer's flags, rank, alpha and strength); when any of it
+has changed, as after a weight or adapter update (also one that rescales an
+adapter whose factors stay in their storage), every graph is dropped and
+captured anew. What the LoRA layers read from the forward context (the
+runtime LoRA scale) is part of each call's signature. Calls a graph cannot replay exactly run eagerly: with
 autograd on, with module hooks installed, with tensors (inputs, parameters
 or buffers) that are not contiguous CUDA tensors, or with inputs the DiT's
 ``train_parity_graph_replayable`` refuses; each reason is logged once.
@@ -33,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from functools import cache, partial
 from itertools import chain
-from operator import attrgetter, is_not
+from operator import attrgetter, is_not, methodcaller
 from typing import Any, Callable
 
 import torch
@@ -51,7 +53,7 @@ MAX_GRAPHS = 16
 
 # C-level iteration: the state of a 60-block DiT is thousands of dicts
 _not_none = partial(is_not, None)
-_lora_flags = attrgetter("disable_lora", "merged")
+_lora_state = methodcaller("numerics_state")
 
 
 def _on_gpu(tensors: list[torch.Tensor]) -> bool:
@@ -96,8 +98,8 @@ class _ModuleTreeState:
 
     def read(self) -> tuple | None:
         """The module tree, parameter and buffer storage and each LoRA layer's
-        enabled and merged flags; None with a hook on any module or a tensor
-        off the GPU."""
+        ``numerics_state`` (its flags, rank, alpha and strength); None with a
+        hook on any module or a tensor off the GPU."""
         if self.children is None or self._children() != self.children:
             self._list_modules()
         if any(map(len, self.hook_dicts)):
@@ -108,7 +110,7 @@ class _ModuleTreeState:
         return (
             self.children,
             tuple(map(torch.Tensor.data_ptr, tensors)),
-            tuple(map(_lora_flags, self.lora_layers)),
+            tuple(map(_lora_state, self.lora_layers)),
         )
 
 
@@ -231,7 +233,7 @@ class ExactShapeGraphs:
         # would share its inputs, outputs and memory
         key = [
             spec,
-            BaseLayerWithLoRA._runtime_lora_scale(),
+            BaseLayerWithLoRA.forward_context_state(),
             _current_stream_id(),
         ]
         for leaf in leaves:

@@ -5,6 +5,7 @@ CFG step's branches replayed at once on two streams."""
 
 import inspect
 from functools import partial
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
@@ -144,6 +145,13 @@ def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
         lambda: setattr(lora, "disable_lora", not lora.disable_lora),
         lambda: setattr(lora, "disable_lora", not lora.disable_lora),
     )
+    # an adapter rescaled with its factors left in their storage: the scale is a
+    # constant of the captured kernels
+    for name, value in (("lora_alpha", 16), ("lora_rank", 8), ("strength", 0.5)):
+        kept = getattr(lora, name)
+        assert changes(
+            lambda: setattr(lora, name, value), lambda: setattr(lora, name, kept)
+        )
     handle = norm.register_forward_pre_hook(lambda *args: None)
     assert tree.read() is None
     handle.remove()
@@ -166,6 +174,126 @@ def _with_lora_update_from_host(dit: QwenImageTransformer2DModel):
         merge_weights=False,
     )
     return layer
+
+
+def _perturbed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 3 + 1
+    return None
+
+
+def test_a_lora_layer_states_every_scalar_its_forward_reads():
+    """Each plain scalar attribute of a train_parity LoRA layer, changed: where
+    the forward's output changes (or it refuses), the layer's numerics_state
+    changes too, so no such value can be left out of what a graph is keyed on."""
+    dit = _tiny_dit("cpu")
+    layer = _with_lora_update_from_host(dit)
+    x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            try:
+                out = layer(x)
+            except Exception as exc:  # a refusal is an outcome too
+                return type(exc)
+        return out[0] if isinstance(out, tuple) else out
+
+    expected, state = forward(), layer.numerics_state()
+    read = []
+    for name, value in list(vars(layer).items()):
+        changed = _perturbed(value)
+        if changed is None:
+            continue
+        setattr(layer, name, changed)
+        out, new_state = forward(), layer.numerics_state()
+        setattr(layer, name, value)
+        if not (isinstance(out, torch.Tensor) and torch.equal(out, expected)):
+            read.append(name)
+            assert new_state != state, f"{name} is read but not in numerics_state"
+    assert {"disable_lora", "lora_rank", "lora_alpha"} <= set(read)
+
+
+class _Recorder:
+    """Reads of ``obj``'s attributes, by ``name.attribute``."""
+
+    def __init__(self, name, obj, reads):
+        vars(self).update(_name=name, _obj=obj, _reads=reads)
+
+    def __getattr__(self, attribute):
+        self._reads.add(f"{self._name}.{attribute}")
+        return getattr(self._obj, attribute)
+
+
+def test_the_signature_holds_what_the_forward_reads_from_the_forward_context(
+    monkeypatch,
+):
+    from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
+    from sglang.multimodal_gen.runtime.managers import forward_context
+
+    dit = _tiny_dit("cpu")
+    _with_lora_update_from_host(dit)
+    batch = SimpleNamespace(
+        runtime_lora_scale=1.0, sampling_params=SimpleNamespace(quality=None)
+    )
+
+    def reads_of(run):
+        reads = set()
+        context = forward_context.ForwardContext(
+            current_timestep=0,
+            attn_metadata=None,
+            forward_batch=_Recorder("forward_batch", batch, reads),
+        )
+        monkeypatch.setattr(
+            forward_context,
+            "_forward_context",
+            _Recorder("context", context, reads),
+        )
+        with torch.no_grad():
+            run()
+        return reads
+
+    forward = reads_of(lambda: dit(**_inputs(dit, "cpu", 0)))
+    assert "forward_batch.runtime_lora_scale" in forward
+    assert forward <= reads_of(BaseLayerWithLoRA.forward_context_state)
+
+
+@needs_cuda
+def test_an_adapter_rescaled_in_its_storage_replays_the_new_scale(monkeypatch):
+    from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
+
+    dit = _tiny_dit("cuda")
+    layer = _with_lora_update_from_host(dit)
+    eager_forward = dit.forward
+    train_parity_graphs.install(dit)
+
+    def rescale(alpha):
+        """The same A/B storage with another alpha, as when a trainer's CUDA
+        tensors arrive again through IPC."""
+        lora_A, lora_B = layer.lora_A, layer.lora_B
+        layer.lora_alpha = alpha
+        layer.set_lora_weights(lora_A, lora_B, merge_weights=False, clear_existing=True)
+        assert layer.lora_A.data_ptr() == lora_A.data_ptr()
+        assert layer.lora_B.data_ptr() == lora_B.data_ptr()
+
+    with torch.no_grad():
+        inputs = _inputs(dit, "cuda", 0)
+        for _ in range(3):  # eager, capture, replay
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        rescale(12)
+        for _ in range(3):
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        # control: keyed on the LoRA flags alone, the graph replays the old scale
+        monkeypatch.setattr(
+            BaseLayerWithLoRA,
+            "numerics_state",
+            lambda self: (self.disable_lora, self.merged),
+        )
+        for _ in range(3):
+            assert torch.equal(dit(**inputs), eager_forward(**inputs))
+        rescale(16)
+        assert not torch.equal(dit(**inputs), eager_forward(**inputs))
 
 
 @needs_cuda

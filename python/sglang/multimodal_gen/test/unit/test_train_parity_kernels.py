@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from unittest.mock import MagicMock
 
 import pytest
@@ -22,6 +23,8 @@ EAGER_GATED_RESIDUAL = train_parity_ops.gated_residual
 GATED_RESIDUAL = "train_parity gated residual"
 LINEAR_LORA_UP = "train_parity base GEMM + LoRA-B GEMM + scale-and-add"
 LINEAR_LORA_UP_GELU = f"{LINEAR_LORA_UP} + tanh GELU"
+LORA_UP = "train_parity LoRA-B GEMM + scale-and-add"
+QK_NORM_ROPE = "train_parity Q/K RMSNorm + complex RoPE into the joint Q/K"
 
 
 @pytest.fixture(autouse=True)
@@ -124,10 +127,10 @@ def test_a_kernel_that_differs_is_replaced_for_good(on_the_kernel_path, stand_in
 
 
 def test_a_kernel_writing_negative_zero_is_caught(on_the_kernel_path):
-    # -0.0 + 0.0 in the reference is +0.0; a kernel writing -0.0 must not pass
-    residual = torch.zeros(1, 1, 4, dtype=BF16)
-    gate = torch.zeros(1, 4, dtype=BF16)
-    update = torch.zeros(1, 1, 4, dtype=BF16)
+    # x + (-x) in the reference is +0.0; a kernel writing -0.0 must not pass
+    residual = torch.tensor([[[1.0, -2.0, 0.5, -0.25]]], dtype=BF16)
+    gate = torch.ones(1, 4, dtype=BF16)
+    update = -residual
 
     def negative_zero(residual, update, gate):
         return -EAGER_GATED_RESIDUAL(residual, gate, update)
@@ -153,6 +156,90 @@ def test_the_switch_runs_the_eager_chains(on_the_kernel_path, monkeypatch):
     out = train_parity_kernels.gated_residual(*inputs)
     assert kernel.calls == 0
     assert torch.equal(out, EAGER_GATED_RESIDUAL(*inputs))
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` one element past a 16-byte boundary: Triton
+    compiles another kernel for it."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    copy = storage[1:].view(t.shape).copy_(t)
+    assert copy.data_ptr() % 16 and copy.is_contiguous()
+    return copy
+
+
+def test_a_misaligned_input_is_checked_as_another_signature(
+    on_the_kernel_path, monkeypatch
+):
+    kernel = on_the_kernel_path(_StandIn())
+    reference = MagicMock(side_effect=train_parity_ops.gated_residual)
+    monkeypatch.setattr(train_parity_ops, "gated_residual", reference)
+    residual, gate, update = _residual_inputs()
+    for _ in range(2):
+        train_parity_kernels.gated_residual(residual, gate, update)
+    assert (kernel.calls, reference.call_count) == (2, 1)
+    # the same shapes, strides and dtypes at an address Triton specializes apart
+    for _ in range(2):
+        train_parity_kernels.gated_residual(_misaligned(residual), gate, update)
+    assert (kernel.calls, reference.call_count) == (4, 2)
+    states = train_parity_kernels.gate_states()[GATED_RESIDUAL]
+    assert states == {"disabled": False, "verified_signatures": 2}
+
+
+@pytest.mark.parametrize("zero_input", [0, 1, 2])
+def test_an_all_zero_input_earns_no_credit(on_the_kernel_path, monkeypatch, zero_input):
+    """Zeros compare equal whatever a kernel does with them (PEFT's initial
+    lora_B): such a call runs the eager chain alone, and the kernel is checked on
+    the first call without an all-zero input."""
+    kernel = on_the_kernel_path(_StandIn(ulps=1))
+    reference = MagicMock(side_effect=train_parity_ops.gated_residual)
+    monkeypatch.setattr(train_parity_ops, "gated_residual", reference)
+    inputs = list(_residual_inputs())
+    zeros = list(inputs)
+    zeros[zero_input] = torch.zeros_like(inputs[zero_input])
+    for _ in range(3):
+        out = train_parity_kernels.gated_residual(*zeros)
+        assert torch.equal(out, EAGER_GATED_RESIDUAL(*zeros))
+    assert (kernel.calls, reference.call_count) == (0, 3)
+    assert train_parity_kernels.gate_states()[GATED_RESIDUAL] == {
+        "disabled": False,
+        "verified_signatures": 0,
+    }
+    # the first call with values checks the kernel, which differs here
+    out = train_parity_kernels.gated_residual(*inputs)
+    assert torch.equal(out, EAGER_GATED_RESIDUAL(*inputs))
+    assert (kernel.calls, reference.call_count) == (1, 4)
+    assert train_parity_kernels.gate_states()[GATED_RESIDUAL]["disabled"]
+
+
+def test_a_verified_kernel_runs_on_zeros_without_a_check(on_the_kernel_path):
+    kernel = on_the_kernel_path(_StandIn())
+    residual, gate, update = _residual_inputs()
+    train_parity_kernels.gated_residual(residual, gate, update)
+    train_parity_kernels.gated_residual(residual, gate.zero_(), update)
+    assert kernel.calls == 2
+    assert train_parity_kernels.gate_states()[GATED_RESIDUAL] == {
+        "disabled": False,
+        "verified_signatures": 1,
+    }
+
+
+def test_a_zero_lora_b_leaves_the_lora_kernel_unchecked(monkeypatch):
+    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
+    monkeypatch.setattr(kernels, "can_use_lora_b_scale_add", lambda *operands: True)
+    kernel = MagicMock(side_effect=train_parity_ops.add_lora_up)
+    monkeypatch.setattr(kernels, "lora_b_scale_add_bf16", kernel)
+    out = torch.randn(1, 5, 48).to(BF16)
+    down = torch.randn(1, 5, 16).to(BF16)
+    lora_B = torch.zeros(48, 16, dtype=BF16)  # as PEFT initialises it
+    for _ in range(2):
+        train_parity_kernels.add_lora_up(out, down, lora_B, 0.5)
+    assert kernel.call_count == 0
+    lora_B.normal_()  # a trained adapter, written into the same storage
+    train_parity_kernels.add_lora_up(out, down, lora_B, 0.5)
+    assert kernel.call_count == 1
+    assert train_parity_kernels.gate_states()[
+        "train_parity LoRA-B GEMM + scale-and-add"
+    ] == {"disabled": False, "verified_signatures": 1}
 
 
 def _linear_inputs(rows, device="cpu", inner=64, cols=48, rank=16):
@@ -198,6 +285,22 @@ def test_the_base_gemm_kernel_keeps_the_eager_chain_only_where_it_differs(
     }
     (message,), _ = train_parity_kernels.logger.warning_once.call_args
     assert f"{LINEAR_LORA_UP} at (1, 7, 64)" in message
+
+
+def test_the_base_gemm_kernel_is_checked_per_bias_alignment(monkeypatch):
+    monkeypatch.setattr(train_parity_kernels, "_takes", lambda x: True)
+    monkeypatch.setattr(train_parity_kernels, "_LINEAR_LORA_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels, "can_use_linear_lora", lambda *operands: True)
+    kernel = MagicMock(side_effect=_eager_linear_lora_up)
+    monkeypatch.setattr(kernels, "linear_lora_bf16", kernel)
+    x, weight, bias, down, lora_B = _linear_inputs(5)
+    for bias_ in (bias, bias, _misaligned(bias)):
+        train_parity_kernels.linear_add_lora_up(x, weight, bias_, down, lora_B, 0.75)
+    assert train_parity_kernels.gate_states()[LINEAR_LORA_UP] == {
+        "disabled": False,
+        "verified_signatures": 2,
+        "differing_signatures": 0,
+    }
 
 
 def _eager_linear_lora_up_gelu(x, weight, bias, down, lora_B, scaling):
@@ -809,3 +912,123 @@ def test_joint_qk_norm_rope_kernel(batch, lengths, monkeypatch):
         )
         offset += q.shape[1]
     assert not torch.equal(joint_q, eager[0])
+
+
+def _qk_case():
+    from sglang.multimodal_gen.runtime.layers.layernorm import RMSNorm
+    from sglang.multimodal_gen.runtime.utils import train_parity
+
+    with train_parity.numerics_mode_context("train_parity"):
+        q_norm, k_norm = (RMSNorm(128, eps=1e-6).to("cuda", BF16) for _ in range(2))
+    angles = torch.randn(77, 64, device="cuda") * 100
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    q, k = (torch.randn(2, 77, 24, 128, device="cuda").to(BF16) for _ in range(2))
+
+    def call(q, k, freqs):
+        return train_parity_kernels.joint_qk_norm_rope([(q, k, q_norm, k_norm, freqs)])
+
+    def eager(q, k, freqs):
+        return train_parity_kernels._qk_norm_rope(q, k, q_norm, k_norm, freqs)
+
+    return call, eager, [q, k, freqs], 0
+
+
+def _layer_norm_case():
+    x = torch.randn(2, 77, 3072, device="cuda").to(BF16)
+    mod = torch.randn(2, 6 * 3072, device="cuda").to(BF16)
+    shift, scale = mod[:, :3072], mod[:, 3072 : 2 * 3072]
+
+    def call(x, shift, scale):
+        return train_parity_kernels.layer_norm_scale_shift(x, shift, scale, 1e-6)
+
+    def eager(x, shift, scale):
+        return train_parity_ops.layer_norm_scale_shift(x, shift, scale, 1e-6)
+
+    return call, eager, [x, shift, scale], 0
+
+
+def _gated_residual_case():
+    return (
+        train_parity_kernels.gated_residual,
+        EAGER_GATED_RESIDUAL,
+        list(_residual_inputs("cuda", 2, 77, 3072)),
+        0,
+    )
+
+
+def _lora_up_case(gelu_tanh=False):
+    out = torch.randn(2, 211, 3072, device="cuda").to(BF16)
+    down = _lora_down(2 * 211, 64).view(2, 211, 64)
+    lora_B = (torch.randn(3072, 64, device="cuda") * 0.02).to(BF16)
+
+    def call(out, down, lora_B):
+        return train_parity_kernels.add_lora_up(out, down, lora_B, 2.0, gelu_tanh)
+
+    def eager(out, down, lora_B):
+        return train_parity_kernels._add_lora_up(out, down, lora_B, 2.0, gelu_tanh)
+
+    return call, eager, [out, down, lora_B], 2
+
+
+def _linear_case(gelu_tanh=False):
+    rows, cols = (1024, 12288) if gelu_tanh else (4096, 3072)
+    inputs = _linear_inputs(rows, device="cuda", inner=3072, cols=cols, rank=64)
+    eager_chain = _eager_linear_lora_up_gelu if gelu_tanh else _eager_linear_lora_up
+
+    def call(*operands):
+        return train_parity_kernels.linear_add_lora_up(
+            *operands, 2.0, gelu_tanh=gelu_tanh
+        )
+
+    # the bias: a TMA operand at such an address is refused before any check
+    return call, partial(eager_chain, scaling=2.0), list(inputs), 2
+
+
+KERNEL_CASES = {
+    QK_NORM_ROPE: (_qk_case, needs_cuda),
+    "train_parity LayerNorm + scale/shift modulation": (_layer_norm_case, needs_cuda),
+    GATED_RESIDUAL: (_gated_residual_case, needs_cuda),
+    LORA_UP: (_lora_up_case, needs_cuda),
+    f"{LORA_UP} + tanh GELU": (partial(_lora_up_case, gelu_tanh=True), needs_cuda),
+    LINEAR_LORA_UP: (_linear_case, needs_hopper),
+    LINEAR_LORA_UP_GELU: (partial(_linear_case, gelu_tanh=True), needs_hopper),
+}
+
+
+@pytest.mark.parametrize(
+    "gate", [pytest.param(name, marks=mark) for name, (_, mark) in KERNEL_CASES.items()]
+)
+def test_each_kernel_is_checked_per_alignment_and_not_on_zeros(gate, monkeypatch):
+    """Every kernel's check through its train_parity_kernels entry point: a call
+    whose first input is all zeros runs the eager chain and verifies nothing; a
+    misaligned copy of an input is checked as a signature of its own."""
+    monkeypatch.setattr(train_parity_kernels, "_GELU_TANH_CHECKED", set())
+    call, eager, inputs, moved = KERNEL_CASES[gate][0]()
+    misaligned = list(inputs)
+    misaligned[moved] = _misaligned(inputs[moved])
+
+    def verified(operands, compare=True):
+        with torch.no_grad():
+            out = call(*operands)
+        assert not compare or train_parity_kernels.bitwise_equal(out, eager(*operands))
+        return train_parity_kernels.gate_states()[gate]["verified_signatures"]
+
+    zeros = [torch.zeros_like(inputs[0]), *inputs[1:]]
+    assert [verified(zeros) for _ in range(2)] == [0, 0]
+    assert verified(inputs) == 1
+    assert verified(misaligned) == 2
+    assert verified(misaligned) == 2
+    # control: keyed without the alignment, the misaligned call would have run
+    # the build Triton compiles for it unchecked
+    monkeypatch.setattr(
+        train_parity_kernels,
+        "_signature",
+        lambda *ts: tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts),
+    )
+    for gate_ in train_parity_kernels.GATES:
+        if isinstance(gate_, train_parity_kernels.SignatureGates):
+            gate_.gates.clear()
+        else:
+            gate_.verified_sigs.clear()
+    assert verified(inputs) == 1
+    assert verified(misaligned, compare=False) == 1
