@@ -38,7 +38,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 POLICY_CHECKSUM_FORMAT = "sglang-policy-checksum/v1"
-_ADAPTER_TENSOR_NAMES = ("lora_A", "lora_B", "lora_output_offset")
+# a LoRA wrapper's adapter parameters (lora_A, lora_B: PEFT's names for them too)
+ADAPTER_TENSOR_NAMES = ("lora_A", "lora_B", "lora_output_offset")
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,10 @@ def _same_object(ref: Any, tensor: torch.Tensor | None) -> bool:
 def cached_adapter_checksum(module: torch.nn.Module) -> str:
     """``adapter_checksum(module_adapters(module))``, recomputed only when an adapter's
     settings or tensors changed. ``set_lora_weights`` installs new tensors for every
-    adapter it sets, so a changed adapter is a tensor that is not the cached one;
-    adapter tensors written in place would not be seen (nothing writes them so)."""
+    adapter it sets, so a changed adapter is a tensor that is not the cached one. A
+    write in place keeps the tensor and, under ``torch.inference_mode`` or through
+    ``.data``, its version counter too: whatever writes a module's parameters in place
+    calls `forget_adapter_checksum`."""
     adapters = module_adapters(module)
     settings = [(a.module, a.rank, a.alpha, a.strength, a.merged) for a in adapters]
     tensors = [t for a in adapters for t in (a.lora_A, a.lora_B, a.output_offset)]
@@ -156,12 +159,17 @@ def cached_adapter_checksum(module: torch.nn.Module) -> str:
     return checksum
 
 
+def forget_adapter_checksum(module: torch.nn.Module) -> None:
+    """Drop ``module``'s cached adapter checksum: its parameters were written in place."""
+    module.__dict__.pop("_adapter_checksum_cache", None)
+
+
 def module_base_params(
     named_params: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """A module's parameters without its adapters, LoRA wrappers' names made plain."""
     for name, tensor in named_params:
-        if name.rsplit(".", 1)[-1] not in _ADAPTER_TENSOR_NAMES:
+        if name.rsplit(".", 1)[-1] not in ADAPTER_TENSOR_NAMES:
             yield name.replace(".base_layer.", "."), tensor
 
 

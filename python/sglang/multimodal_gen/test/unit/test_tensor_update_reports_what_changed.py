@@ -83,7 +83,7 @@ def test_lora_tensors_without_the_lora_mode_are_refused():
         pipeline,
         lambda: _update(pipeline, tensors),
         "Weight update refused, served weights unchanged",
-        "2 tensor(s) match no parameter of transformer: proj.lora_A.weight",
+        "2 LoRA adapter tensor(s) (proj.lora_A.weight, proj.lora_B.weight)",
         "LoRA A/B tensors need weight_update_mode='lora_merge'",
     )
 
