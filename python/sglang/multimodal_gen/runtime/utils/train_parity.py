@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -154,6 +154,10 @@ class TrainParityContract:
     # The pipeline classes whose stages compute the trainer's step, where the
     # config serves several; empty for all.
     pipeline_classes: tuple[str, ...] = ()
+    # Pixels along the height and the width per DiT token: the VAE's spatial
+    # downsampling times the DiT's patch size. A request's width and height
+    # must each be a whole number of patches.
+    pixels_per_patch: int = field(kw_only=True)
 
 
 def train_parity_contract(pipeline_config: Any) -> TrainParityContract | None:
@@ -608,6 +612,29 @@ def _request_input_problems(
                 f"width={params.width} height={params.height}",
                 f"{pixels} pixels exceed the server's bound of {max_pixels}",
                 "request a smaller image or raise --train-parity-max-image-pixels",
+            )
+    for side in ("width", "height") if contract else ():
+        size, patch = getattr(params, side), contract.pixels_per_patch
+        if size is not None and (size < patch or size % patch):
+            yield (
+                f"{side}={size}",
+                f"{contract.family}'s DiT reads {patch}x{patch}-pixel patches (the "
+                f"VAE's downsampling times the patch size), and {size} pixels are "
+                "not a whole number of them",
+                f"request a {side} that is a multiple of {patch}",
+            )
+    if (
+        params.resolve_task_type(server_args.pipeline_config).is_image_gen()
+        and not server_args.pipeline_config.allow_set_num_frames()
+    ):
+        ignored = [f"num_frames={params.num_frames}"] if params.num_frames != 1 else []
+        if explicit is not None and "fps" in explicit:
+            ignored.append(f"fps={params.fps}")
+        if ignored:
+            yield (
+                f"{' and '.join(ignored)} on an image model",
+                "the pipeline generates one image and would ignore it",
+                "drop the video field(s)",
             )
     device = params.generator_device
     if device is not None and device not in GENERATOR_DEVICES:

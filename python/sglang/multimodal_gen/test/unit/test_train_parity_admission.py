@@ -32,6 +32,7 @@ class _OptedInPipelineConfig(QwenImagePipelineConfig):
         "QwenImageTransformer2DModel",
         (),
         cfg_scale_fields=("true_cfg_scale",),
+        pixels_per_patch=16,
     )
 
 
@@ -85,16 +86,33 @@ def test_a_complete_request_is_admitted():
             dict(true_cfg_scale=4.0, generator_device="bogus"),
             "generator_device='bogus'",
         ),
+        (dict(true_cfg_scale=4.0, width=8, height=64), "width=8"),
+        (dict(true_cfg_scale=4.0, width=64, height=15), "height=15"),
+        (dict(true_cfg_scale=4.0, width=24, height=64), "width=24"),
+        (
+            dict(true_cfg_scale=4.0, num_frames=5),
+            "num_frames=5 on an image model",
+        ),
+        (dict(true_cfg_scale=4.0, fps=8), "fps=8 on an image model"),
     ],
 )
 def test_request_input_is_checked_at_admission(request_kwargs, option):
     """Each used to be accepted: without true_cfg_scale the request failed at its
-    first denoising step, a huge image failed allocating its latents, and an
-    unknown generator_device silently meant the accelerator."""
+    first denoising step, a huge image failed allocating its latents, an
+    unknown generator_device silently meant the accelerator, a size that is not
+    a whole number of DiT patches failed in the pipeline (or served another
+    size), and an image model ignored the video fields."""
     args = _args(train_parity_max_image_pixels=64 * 64)
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
         _request(args, **request_kwargs)
     _request(_args(numerics="default"), **request_kwargs)
+
+
+def test_whole_patches_and_a_single_frame_are_admitted():
+    args = _args()
+    _request(args, true_cfg_scale=4.0, width=16, height=48, num_frames=1)
+    with pytest.raises(TrainParityError, match="a width that is a multiple of 16"):
+        _request(args, true_cfg_scale=4.0, width=15, height=16)
 
 
 def test_a_cfg_scale_left_to_a_default_is_refused():

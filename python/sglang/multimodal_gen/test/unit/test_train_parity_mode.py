@@ -85,7 +85,9 @@ def test_the_default_mode_is_unchanged():
 
 def test_an_opted_in_family_is_served_and_named():
     class Family(PipelineConfig):
-        train_parity_contract = TrainParityContract("F", "the F trainer", "FDiT", ())
+        train_parity_contract = TrainParityContract(
+            "F", "the F trainer", "FDiT", (), pixels_per_patch=1
+        )
 
     with patch.object(train_parity.logger, "info") as info:
         assert server_args_for(Family(), numerics="train_parity").numerics == (
@@ -98,7 +100,9 @@ def test_an_opted_in_family_is_served_and_named():
 
 def test_contracts_are_not_inherited():
     class Family(PipelineConfig):
-        train_parity_contract = TrainParityContract("F", "ref", "FDiT", ())
+        train_parity_contract = TrainParityContract(
+            "F", "ref", "FDiT", (), pixels_per_patch=1
+        )
 
     class Variant(Family):
         pass
@@ -124,7 +128,9 @@ def test_every_dit_class_opts_in_or_is_refused_by_the_loader():
         for cls in _registered_families()
         if (contract := train_parity.train_parity_contract(cls())) is not None
     ]
-    contracts.append(TrainParityContract("Other", "ref", "AnUnregisteredDiT", ()))
+    contracts.append(
+        TrainParityContract("Other", "ref", "AnUnregisteredDiT", (), pixels_per_patch=1)
+    )
     dits = _dit_classes()
     assert "QwenImageTransformer2DModel" in dits and len(dits) > 40
     for dit_cls in dits.values():
@@ -164,7 +170,11 @@ def test_custom_op_dispatch_is_chosen_at_construction():
 
 def test_loader_refuses_ops_the_contract_does_not_cover():
     contract = TrainParityContract(
-        "Toy", "ref", "Toy", ("_WithTrainParity", "_WithoutTrainParity")
+        "Toy",
+        "ref",
+        "Toy",
+        ("_WithTrainParity", "_WithoutTrainParity"),
+        pixels_per_patch=1,
     )
     dit = torch.nn.Sequential(_WithTrainParity())
     train_parity.check_dit_ops(contract, dit)
@@ -173,10 +183,12 @@ def test_loader_refuses_ops_the_contract_does_not_cover():
     with pytest.raises(TrainParityError, match="ops _WithoutTrainParity"):
         train_parity.check_dit_ops(contract, dit)
 
-    unlisted = TrainParityContract("Toy", "ref", "Toy", ())
+    unlisted = TrainParityContract("Toy", "ref", "Toy", (), pixels_per_patch=1)
     with pytest.raises(TrainParityError, match="ops _WithTrainParity"):
         train_parity.check_dit_ops(unlisted, torch.nn.Sequential(_WithTrainParity()))
 
     # held for its parameters only: accepted, and calling it raises
-    holder = TrainParityContract("Toy", "ref", "Toy", (), ("_WithoutTrainParity",))
+    holder = TrainParityContract(
+        "Toy", "ref", "Toy", (), ("_WithoutTrainParity",), pixels_per_patch=1
+    )
     train_parity.check_dit_ops(holder, torch.nn.Sequential(_WithoutTrainParity()))

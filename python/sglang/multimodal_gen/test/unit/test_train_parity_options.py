@@ -22,7 +22,11 @@ from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_f
 @dataclass
 class _OptedInPipelineConfig(QwenImagePipelineConfig):
     train_parity_contract = TrainParityContract(
-        "Test family", "a training forward", "QwenImageTransformer2DModel", ()
+        "Test family",
+        "a training forward",
+        "QwenImageTransformer2DModel",
+        (),
+        pixels_per_patch=16,
     )
 
 
