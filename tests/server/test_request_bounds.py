@@ -6,8 +6,11 @@ bitwise."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
+import psutil
 import pytest
 import requests
 from sglang_train_parity import rollout_demo as demo
@@ -17,8 +20,11 @@ from .test_bad_input import assert_serves_with_parity
 pytestmark = pytest.mark.slow
 
 # The second server's bounds: small enough for the tiny model's requests to reach them.
-MAX_STEPS = 60
-MAX_WORK = 200_000  # pixel-steps: 48 steps of a 64 x 64 image
+MAX_STEPS = 100
+MAX_WORK = 500_000  # pixel-steps: 122 steps of a 64 x 64 image
+# its /health: longer than a step or the VAE decode of a 64 x 64 image, shorter than a 100-step
+# rollout of it
+STALL_TIMEOUT_S = 2
 
 
 def assert_bound_refused(server, overrides, *fragments):
@@ -92,7 +98,7 @@ def test_disconnected_rollout_is_cancelled(server, served):
 
 @pytest.fixture(scope="module")
 def bounded_server(model_dir, tmp_path_factory):
-    """A server started with small bounds."""
+    """A server started with small bounds and a short stall timeout."""
     with demo.serve(
         model_dir,
         "train_parity",
@@ -100,6 +106,7 @@ def bounded_server(model_dir, tmp_path_factory):
         extra_args=[
             *("--train-parity-max-inference-steps", str(MAX_STEPS)),
             *("--train-parity-max-denoising-work", str(MAX_WORK)),
+            *("--scheduler-stall-timeout", str(STALL_TIMEOUT_S)),
         ],
     ) as server:
         yield server
@@ -124,9 +131,60 @@ def test_bounds_set_by_flags_are_logged_and_enforced(bounded_server):
     )
     assert_bound_refused(
         bounded_server,
-        dict(num_inference_steps=50),
-        "204800 pixel-steps",
+        dict(num_inference_steps=50, width=160, height=128),
+        "1024000 pixel-steps",
         f"bound of {MAX_WORK}",
         "--train-parity-max-denoising-work",
     )
+    demo.request_rollout(bounded_server, num_inference_steps=2)
+
+
+def _health(server):
+    return requests.get(server.url + "/health", timeout=2)
+
+
+def test_health_reports_a_stuck_scheduler(bounded_server):
+    """/health used to answer 200 while every call waited behind a wedged scheduler. A rollout
+    longer than the stall timeout keeps it healthy (each step is progress); a scheduler that
+    stops (SIGSTOP) is reported within the timeout, and recovers when it goes on."""
+    statuses = []
+    rollout = threading.Thread(
+        target=demo.request_rollout,
+        args=(bounded_server,),
+        kwargs=dict(num_inference_steps=MAX_STEPS),
+    )
+    start = time.monotonic()
+    rollout.start()
+    while rollout.is_alive():
+        statuses.append(_health(bounded_server).status_code)
+        time.sleep(0.3)
+    rollout.join()
+    assert time.monotonic() - start > STALL_TIMEOUT_S
+    assert set(statuses) == {200}, statuses
+
+    (scheduler,) = [
+        p
+        for p in psutil.Process(bounded_server.process.pid).children(recursive=True)
+        if "scheduler" in " ".join(p.cmdline())
+    ]
+    scheduler.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + STALL_TIMEOUT_S + 3
+        while (response := _health(bounded_server)).status_code == 200:
+            assert (
+                time.monotonic() < deadline
+            ), "a stopped scheduler still reported healthy"
+            time.sleep(0.3)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert (
+            "scheduler of dp replica 0" in error
+            and "--scheduler-stall-timeout" in error
+        )
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while _health(bounded_server).status_code != 200:
+        assert time.monotonic() < deadline, "the scheduler did not recover"
+        time.sleep(0.3)
     demo.request_rollout(bounded_server, num_inference_steps=2)
