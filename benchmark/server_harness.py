@@ -20,7 +20,7 @@ benchmark/demo_site/sitecustomize.py in every process of both servers and in the
     build was refused) the layer moves, permanently, to upstream's own `forward_native`, and the
     move is logged (one record per layer). Any other exception propagates.
   - the DiT under `--numerics default`: `gpu_common.DefaultPathHarness`, the closest default path
-    that runs here (docs/results.md, "The closest default path that runs on the H200"), each move
+    that runs here (docs/results.md, "The closest default path"), each move
     logged the same way.
 * with JIT builds refused: Qwen-Image 2.1's VAE decoder fast paths (JIT kernels without a
   fallback of their own) are not installed, so upstream's plain decoder runs; logged.
