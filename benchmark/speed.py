@@ -5,7 +5,7 @@ tokens, batch 1, CFG as two forwards, LoRA r64 unmerged on all 12 targets of eve
   through sglang's real transformer loader (weights generated on the device and fed through the
   loader's own `weights_iterator` argument: a 41 GB checkpoint would not fit the lease);
 * `default`: the fork with upstream's numerics, the closest default path that runs on this machine
-  (benchmark/gpu_common.DefaultPathHarness: every fallback is recorded), request quality "lossless"
+  (benchmark/default_path.DefaultPathHarness: every fallback is recorded), request quality "lossless"
   mounted, LoRA unmerged (dynamic, bf16 A/B), attention torch_sdpa (FA3 needs sgl_kernel);
 * `diffusers`: plain eager diffusers + PEFT under torch.autocast("cuda", bf16), `_native_flash`.
 
@@ -52,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmark import gpu_common, gpu_standins  # noqa: E402
+from benchmark import default_path, gpu_common, gpu_standins  # noqa: E402
 
 from benchmark import speed_timing  # noqa: E402
 from benchmark.speed_families import (  # noqa: E402
@@ -240,7 +240,7 @@ def main() -> int:
         t0 = time.monotonic()
         entry: dict = {}
         result["variants"][variant] = entry
-        harness = gpu_common.DefaultPathHarness() if variant == "default" else None
+        harness = default_path.DefaultPathHarness() if variant == "default" else None
         model = step = None
         train_parity_kernels.FUSED_KERNELS = variant != "train_parity_eager"
         # the variant whose profile gives the train_parity variants' floor

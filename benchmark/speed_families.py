@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmark import gpu_common
+from benchmark import default_path, gpu_common
 
 LORA_RANK, LORA_ALPHA = 64, 128
 CFG_SCALE = 4.0
@@ -147,7 +147,7 @@ def build_fork(
             model, state, LORA_RANK, LORA_ALPHA, merge=False, dtype=torch.bfloat16
         )
     if numerics == "default":
-        gpu_common.mount_default_quality(model)
+        default_path.mount_default_quality(model)
         dit_module = importlib.import_module(type(model).__module__)
         harness.install(model, dit_module)
     del state
