@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 
-
 MAX_LISTED = 25  # non-equal modules listed per comparison
 
 

@@ -52,9 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmark import default_path, gpu_common, gpu_standins  # noqa: E402
-
-from benchmark import speed_timing  # noqa: E402
+from benchmark import default_path, gpu_common, gpu_standins, speed_timing  # noqa: E402
 from benchmark.speed_families import (  # noqa: E402
     FAMILY_SPECS,
     LORA_ALPHA,

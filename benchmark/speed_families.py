@@ -162,7 +162,6 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
     import functools
 
     import torch
-    from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
         QwenImagePipelineConfig,
@@ -170,6 +169,7 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
     from sglang.multimodal_gen.runtime.managers.forward_context import (
         set_forward_context,
     )
+    from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 
     latents, text, img_shapes = make_inputs(config, grid, txt, device, batch)
     latents = latents.bfloat16()

@@ -5,7 +5,6 @@ trainer's forward, one unguided forward per step).
 
 from __future__ import annotations
 
-
 from benchmark import gpu_common
 from benchmark.speed_families import (
     CFG_SCALE,
@@ -117,8 +116,9 @@ def wan_diffusers_step_fn(model, config, clip, device):
 
 
 def ltx2_inputs(config: dict, clip: tuple[int, int, int], device):
-    from benchmark.gpu_parity_ltx2 import TEXT_TOKENS
     from sglang_train_parity.ltx2 import LTX2DiTInputs, audio_tokens, latent_grid
+
+    from benchmark.gpu_parity_ltx2 import TEXT_TOKENS
 
     frames, height, width = clip
     inputs = LTX2DiTInputs.random(
