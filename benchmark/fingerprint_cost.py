@@ -27,8 +27,8 @@ from sglang.multimodal_gen.runtime.post_training.rollout_fingerprints import (
     RolloutFingerprints,
 )
 
-# docs/results.md: train_parity, 60 blocks, 1024², CFG as two forwards, LoRA r64, H200
-STEP_MS_H200 = 472.7
+# docs/results.md (run 66): train_parity, 60 blocks, 1024², CFG as two forwards, LoRA r64, H200
+STEP_MS_H200 = 303.1
 HIDDEN, MLP, BLOCKS, RANK = 3072, 12288, 60, 64
 # per block: 8 attention projections (hidden -> hidden), 2 MLPs (up, down) per stream
 TARGETS = [(HIDDEN, HIDDEN)] * 8 + [(HIDDEN, MLP), (MLP, HIDDEN)] * 2

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import (  # noqa: E402
+from benchmark.parity_compare import (  # noqa: E402
     compare_case,
     fused_kernels_ran,
     other_rms_norm_rule,

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import compare_case, fused_kernels_ran  # noqa: E402
+from benchmark.parity_compare import compare_case, fused_kernels_ran  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 64, 128
 QWEN_IMAGE_21 = dict(

@@ -14,7 +14,6 @@ control: the same train_parity DiT with the other autocast rule for rms_norm, wh
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmark import gpu_common  # noqa: E402
-from benchmark.gpu_parity import (  # noqa: E402
+from benchmark.parity_compare import (  # noqa: E402
     compare_case,
     fused_kernels_ran,
     other_rms_norm_rule,
@@ -73,7 +72,6 @@ def write_masters(root: Path, config: dict, seed: int, device: str) -> Path:
 
 
 def inputs_for(config, clip, stride, per_token, batch, text_len, timestep, seed, device):
-    import torch
     from sglang_train_parity.wan import WanDiTInputs
 
     frames, height, width = clip

@@ -19,8 +19,8 @@ benchmark/demo_site/sitecustomize.py in every process of both servers and in the
     fails *because a kernel is not installed here* (a stand-in was called, an import failed, a JIT
     build was refused) the layer moves, permanently, to upstream's own `forward_native`, and the
     move is logged (one record per layer). Any other exception propagates.
-  - the DiT under `--numerics default`: `gpu_common.DefaultPathHarness`, the closest default path
-    that runs here (docs/results.md, "The closest default path that runs on the H200"), each move
+  - the DiT under `--numerics default`: `default_path.DefaultPathHarness`, the closest default path
+    that runs here (docs/results.md, "The closest default path"), each move
     logged the same way.
 * with JIT builds refused: Qwen-Image 2.1's VAE decoder fast paths (JIT kernels without a
   fallback of their own) are not installed, so upstream's plain decoder runs; logged.
@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 
-from benchmark import gpu_common, gpu_standins
+from benchmark import default_path, gpu_standins
 
 LOG_ENV = "SGLANG_TP_HARNESS_LOG"
 CPU_KERNELS_ENV = "SGLANG_TP_HARNESS_CPU_KERNELS"
@@ -237,8 +237,8 @@ def after_load(component_name: str, component, numerics: str | None) -> None:
     )
 
 
-class LoggedHarness(gpu_common.DefaultPathHarness):
-    """gpu_common.DefaultPathHarness whose every move is recorded as it happens."""
+class LoggedHarness(default_path.DefaultPathHarness):
+    """default_path.DefaultPathHarness whose every move is recorded as it happens."""
 
     def __init__(self, component: str) -> None:
         super().__init__()
@@ -252,6 +252,6 @@ class LoggedHarness(gpu_common.DefaultPathHarness):
             module=module,
             op=op,
             method=method,
-            error=gpu_common._summary(exc),
+            error=default_path._summary(exc),
             to=fallback,
         )
