@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from sglang.multimodal_gen import envs
+from sglang.multimodal_gen.runtime.utils import request_bounds
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 if TYPE_CHECKING:
@@ -392,6 +393,7 @@ def adjust_server_args(args: ServerArgs) -> None:
             args.train_parity_max_image_pixels,
             MIN_BYTES_PER_PIXEL,
         )
+    request_bounds.log_bounds(args)
 
 
 def max_image_pixels() -> int:
@@ -487,13 +489,9 @@ def _server_option_conflicts(args: ServerArgs) -> Iterator[tuple[str, str, str]]
 def validate_server_args(args: ServerArgs) -> None:
     """Refuse every server option that cannot be bitwise under train_parity."""
     check_rope_tables(args.train_parity_rope_tables)
-    max_pixels = args.train_parity_max_image_pixels
-    if max_pixels is not None and max_pixels < 1:
-        raise ValueError(
-            f"--train-parity-max-image-pixels must be positive, got {max_pixels}"
-        )
+    request_bounds.validate_server_args(args)
     if args.numerics != NUMERICS_TRAIN_PARITY:
-        for field in ("train_parity_rope_tables", "train_parity_max_image_pixels"):
+        for field in ("train_parity_rope_tables", *request_bounds.BOUNDS):
             if args.is_arg_explicitly_set(field):
                 raise ValueError(
                     f"--{field.replace('_', '-')} applies only with "
@@ -604,15 +602,7 @@ def _request_input_problems(
                 f"{contract.family}'s trainer steps without CFG",
                 f"set {field}=1",
             )
-    max_pixels = server_args.train_parity_max_image_pixels
-    if params.width is not None and params.height is not None:
-        pixels = params.width * params.height
-        if max_pixels is not None and pixels > max_pixels:
-            yield (
-                f"width={params.width} height={params.height}",
-                f"{pixels} pixels exceed the server's bound of {max_pixels}",
-                "request a smaller image or raise --train-parity-max-image-pixels",
-            )
+    yield from request_bounds.request_problems(params, server_args)
     for side in ("width", "height") if contract else ():
         size, patch = getattr(params, side), contract.pixels_per_patch
         if size is not None and (size < patch or size % patch):
