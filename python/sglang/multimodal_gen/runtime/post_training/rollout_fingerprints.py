@@ -102,7 +102,9 @@ class RolloutFingerprints:
             for step, adapter, outputs in self._steps
         ]
         rows = steps[0][2][0][1].shape[0]
-        threads = {} if self._cpu_threads is None else {"cpu_threads": self._cpu_threads}
+        threads = (
+            {} if self._cpu_threads is None else {"cpu_threads": self._cpu_threads}
+        )
         return [
             {
                 "format": ROLLOUT_FINGERPRINT_FORMAT,
