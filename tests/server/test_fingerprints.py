@@ -187,8 +187,12 @@ def test_a_malformed_record_is_refused_by_name(edit, named):
         ({"format": "sglang-rollout-fingerprint/v1"}, "is NoneType, not a list"),
         ({"format": "sglang-rollout-fingerprint/v1", "steps": [3]}, "record 0 is a int"),
         ([1], "rollout_fingerprints is a list"),
+        (
+            {"format": "sglang-rollout-fingerprint/v1", "cpu_threads": 0, "steps": []},
+            "cpu_threads is 0, not a positive integer",
+        ),
     ],
-    ids=["no steps", "record not an object", "not an object"],
+    ids=["no steps", "record not an object", "not an object", "zero threads"],
 )
 def test_fingerprints_of_the_wrong_form_are_refused(fingerprints, named):
     with pytest.raises(MalformedFingerprints, match=re.escape(named)):

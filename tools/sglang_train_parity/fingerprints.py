@@ -25,6 +25,7 @@ index: ``{0: adapter_1, 1: adapter_1, 2: adapter_2, ...}``.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -95,9 +96,9 @@ class Verdict:
 def rollout_threads(rollout_fingerprints: Mapping[str, Any] | None) -> Iterator[None]:
     """Run the trainer's CPU recompute of a rollout with the intra-op thread count the
     rollout ran with (its fingerprints' ``cpu_threads``, present when the server's DiT ran
-    on the CPU): CPU reductions split their work by the thread count, so a 50-step rollout
-    served with 2 threads and recomputed with 1 differs at some steps. A GPU rollout leaves
-    the count as it is."""
+    on the CPU): CPU reductions split their work by the thread count, so the same forward
+    can round differently with 2 threads and with 1 (a large ``sum`` does). A GPU rollout
+    leaves the count as it is."""
     threads = (rollout_fingerprints or {}).get("cpu_threads")
     if threads is None:
         yield
@@ -173,8 +174,8 @@ def served_steps(rollout_fingerprints: Mapping[str, Any] | None) -> dict[int, Ma
     problems = [p for i, r in enumerate(records) for p in _record_problems(i, r)]
     if problems:
         raise MalformedFingerprints("; ".join(problems))
-    steps = [record["step"] for record in records]
-    repeated = sorted({step for step in steps if steps.count(step) > 1})
+    counts = Counter(record["step"] for record in records)
+    repeated = sorted(step for step, count in counts.items() if count > 1)
     if repeated:
         raise MalformedFingerprints(f"steps {repeated} are recorded more than once")
     return {record["step"]: record for record in records}
