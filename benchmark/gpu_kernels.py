@@ -5,7 +5,7 @@ bitwise equal or not, and the time of each (CUDA events, median of triton.testin
     python benchmark/gpu_kernels.py [--out PATH]
 
 The kernels' bitwise tests over many shapes are the fork's unit tests
-(test_train_parity_kernels.py, run by run_h200.sh kernels); this script times them.
+(test_train_parity_kernels*.py, run by run_h200.sh kernels); this script times them.
 """
 
 from __future__ import annotations
