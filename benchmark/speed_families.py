@@ -159,8 +159,6 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
     """One CFG step of the fork's DiT, its cond and uncond forwards run as the
     denoising stage runs them (``run_cfg_branches``: at once on two streams where
     the DiT replays CUDA graphs)."""
-    import functools
-
     import torch
 
     from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
@@ -203,7 +201,7 @@ def fork_step_fn(model, config, grid, txt, device, batch=1):
             current_timestep=i, attn_metadata=None, forward_batch=None
         ):
             cond, uncond = train_parity_graphs.run_cfg_branches(
-                model, [functools.partial(forward, k, t) for k in ("cond", "uncond")]
+                model, lambda k: forward(k, t), ("cond", "uncond")
             )
         return uncond + CFG_SCALE * (cond - uncond)
 
