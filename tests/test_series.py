@@ -57,18 +57,20 @@ def test_every_patch_applies_in_order_exactly(pristine_package, tmp_path):
     assert all(changed for _, changed, _ in applied)
 
 
-TRAIN_PARITY_MODULE = "python/sglang/multimodal_gen/runtime/utils/train_parity.py"
+TRAIN_PARITY_MODULE = "python/sglang/multimodal_gen/runtime/utils/train_parity_requests.py"
 
 
 def test_a_patch_builds_on_a_file_an_earlier_patch_adds():
-    """train_parity.py arrives with the --numerics patch; the LoRA patch adds its rules later,
-    so the first patch's version lacks them and python/ holds the final file."""
+    """train_parity_requests.py arrives with the options patch; the admission patch adds its
+    request-input rules later, so the first patch's version lacks them and python/ holds the
+    final file."""
     patches = read_series()
     texts = added_file_texts(patches)
     adding = next(i for i, p in enumerate(patches) if TRAIN_PARITY_MODULE in p.adds)
     first = texts[adding][TRAIN_PARITY_MODULE]
     final = (NEW_FILES_DIR.parent / TRAIN_PARITY_MODULE).read_text()
-    assert "def check_lora(" not in first and "def check_lora(" in final
+    assert "def _request_input_problems(" not in first
+    assert "def _request_input_problems(" in final
     later = [p.name for p in patches[adding + 1 :] if TRAIN_PARITY_MODULE in p.diff]
     assert later, "later patches change the file"
 
