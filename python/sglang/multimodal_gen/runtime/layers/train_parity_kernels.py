@@ -18,8 +18,7 @@ comparison in which an input is all zeros (PEFT's initial ``lora_B``) proves
 nothing about the arithmetic it skips: such a call runs the eager chain and
 leaves the signature unverified, to be checked on a later call. A
 mismatch or a failed launch logs one line naming the kernel and turns that
-kernel off for the process (the base GEMM kernel: for that signature, since
-cuBLAS picks its GEMM per shape); the eager chain runs from then on. No check runs
+kernel off for the process; the eager chain runs from then on. No check runs
 inside CUDA-graph capture or compile tracing: there, a signature not yet
 verified runs the eager chain.
 
@@ -39,7 +38,6 @@ from sglang.kernels.ops import diffusion as kernels
 from sglang.kernels.ops.diffusion import BitExactFusionGate
 from sglang.multimodal_gen import envs
 from sglang.multimodal_gen.runtime.layers import train_parity_ops
-from sglang.multimodal_gen.runtime.layers.linear import apply_unquantized_linear
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -60,61 +58,12 @@ _LORA_UP = BitExactFusionGate(
 _LORA_UP_GELU = BitExactFusionGate(
     "train_parity LoRA-B GEMM + scale-and-add + tanh GELU", per_signature=True
 )
-
-
-class SignatureGates:
-    """A ``BitExactFusionGate`` per input signature, for a kernel whose eager
-    chain picks its algorithm per shape (cuBLAS's GEMMs): a signature the
-    kernel differs on runs the eager chain from then on, and the others keep
-    the kernel."""
-
-    # only a signature's own gate is turned off
-    disabled = False
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.gates: dict[tuple, BitExactFusionGate] = {}
-
-    def run(self, fused, reference, *, sig, equal, logger):
-        gate = self.gates.get(sig)
-        if gate is None:
-            shapes = ", ".join(str(tuple(shape)) for shape, *_ in sig)
-            gate = self.gates[sig] = BitExactFusionGate(f"{self.name} at {shapes}")
-        return gate.run(fused, reference, equal=equal, logger=logger)
-
-    def is_verified(self, sig: tuple) -> bool:
-        gate = self.gates.get(sig)
-        return gate is not None and gate.verified and not gate.disabled
-
-    def state(self) -> dict[str, Any]:
-        return {
-            "disabled": False,
-            "verified_signatures": sum(
-                g.verified and not g.disabled for g in self.gates.values()
-            ),
-            "differing_signatures": sum(g.disabled for g in self.gates.values()),
-        }
-
-
-_LINEAR_LORA_UP = SignatureGates("train_parity base GEMM + LoRA-B GEMM + scale-and-add")
-_LINEAR_LORA_UP_GELU = SignatureGates(
-    "train_parity base GEMM + LoRA-B GEMM + scale-and-add + tanh GELU"
-)
-# Below this many rows cuBLAS's GEMM and the LoRA-B kernel were faster on H200:
-# the 512x512 Qwen-Image step (1024 rows) took 4 ms more kernel time with this
-# kernel, the 1024x1024 steps (4096 and 8192 rows) 2 to 4 and 3 ms less.
-_LINEAR_LORA_MIN_ROWS = 4096
-# The GELU kernel was faster than cuBLAS's GEMM and the LoRA-B + GELU kernel
-# from 1024 rows (the 512x512 step) on, on H100; fewer rows were not measured.
-_LINEAR_LORA_GELU_MIN_ROWS = 1024
 GATES = (
     _QK_NORM_ROPE,
     _LAYER_NORM_MODULATION,
     _GATED_RESIDUAL,
     _LORA_UP,
     _LORA_UP_GELU,
-    _LINEAR_LORA_UP,
-    _LINEAR_LORA_UP_GELU,
 )
 
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -152,7 +101,7 @@ def _signature(*tensors: torch.Tensor) -> tuple:
 
 
 def _verified(
-    gate: BitExactFusionGate | SignatureGates,
+    gate: BitExactFusionGate,
     fused: Callable[[], Any],
     reference: Callable[[], Any],
     *inputs: torch.Tensor,
@@ -303,86 +252,34 @@ def add_lora_up(
     return _verified(_LORA_UP_GELU, fused_gelu, reference, out, down, lora_B)
 
 
-def linear_add_lora_up(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    down: torch.Tensor,
-    lora_B: torch.Tensor,
-    scaling: float,
-    gelu_tanh: bool = False,
-) -> torch.Tensor:
-    """``add_lora_up`` (through the GELU if ``gelu_tanh``) on the unquantized
-    linear layer's output ``apply_unquantized_linear(x, weight, bias)``; one
-    kernel, the base GEMM with the LoRA-B GEMM and the scale-and-add (and the
-    GELU) as its epilogue, for BF16 operands the kernel takes and at least
-    ``_LINEAR_LORA_MIN_ROWS`` (``_LINEAR_LORA_GELU_MIN_ROWS``) rows. cuBLAS
-    picks its GEMM per shape (it splits K for a few rows), so the kernel is
-    compared with the eager chain per shape and a shape it differs on keeps
-    the eager chain."""
-
-    def reference():
-        out = apply_unquantized_linear(x, weight, bias)
-        return add_lora_up(out, down, lora_B, scaling, gelu_tanh=gelu_tanh)
-
-    operands = (x, weight, bias, down, lora_B)
-    if gelu_tanh:
-        min_rows, can_use = _LINEAR_LORA_GELU_MIN_ROWS, kernels.can_use_linear_lora_gelu
-    else:
-        min_rows, can_use = _LINEAR_LORA_MIN_ROWS, kernels.can_use_linear_lora
-    if not (_takes(x) and x.numel() >= min_rows * x.shape[-1] and can_use(*operands)):
-        return reference()
-    if not gelu_tanh:
-        fused = partial(kernels.linear_lora_bf16, *operands, scaling)
-        return _verified(_LINEAR_LORA_UP, fused, reference, *operands)
-
-    def fused_gelu():
-        _check_gelu_tanh_on_every_bf16(x.device, linear=True)
-        return kernels.linear_lora_gelu_bf16(*operands, scaling)
-
-    return _verified(_LINEAR_LORA_UP_GELU, fused_gelu, reference, *operands)
-
-
 def _add_lora_up(out, down, lora_B, scaling, gelu_tanh):
     out = train_parity_ops.add_lora_up(out, down, lora_B, scaling)
     return F.gelu(out, approximate="tanh") if gelu_tanh else out
 
 
-_GELU_TANH_CHECKED: set[tuple[torch.device, bool]] = set()
+_GELU_TANH_CHECKED: set[torch.device] = set()
 
 
-def _check_gelu_tanh_on_every_bf16(device: torch.device, linear: bool = False) -> None:
-    """The GELU epilogues look each BF16 input up in a table, so one call's
-    data cannot prove them: once per device each runs on every finite BF16
-    value against aten's GELU, the LoRA-B kernel's through a zero update onto
-    them, the GELU kernel's (``linear``) with them as the bias of a zero GEMM
-    and a zero update (every value but -0.0, which the GEMM's +0.0 turns into
-    +0.0, as cuBLAS's does)."""
-    if (device, linear) in _GELU_TANH_CHECKED:
+def _check_gelu_tanh_on_every_bf16(device: torch.device) -> None:
+    """The GELU epilogue looks each BF16 input up in a table, so one call's
+    data cannot prove it: it runs once per device on every finite BF16 value,
+    through the kernel with a zero update, against aten's GELU."""
+    if device in _GELU_TANH_CHECKED:
         return
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=device)
     values = bits.to(torch.int16).view(torch.bfloat16)
-    values = values[values.isfinite()]
-    if linear:
-        x = values.new_zeros(128, 64)
-        weight = values.new_zeros(values.numel(), 64)
-        down, lora_B = values.new_zeros(128, 16), values.new_zeros(values.numel(), 16)
-        fused = kernels.linear_lora_gelu_bf16(x, weight, values, down, lora_B, 1.0)
-        base = apply_unquantized_linear(x, weight, values)
-    else:
-        base = values.view(-1, 128)
-        down = base.new_zeros(base.shape[0], 16)
-        lora_B = base.new_zeros(128, 16)
-        fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, 1.0, gelu_tanh=True)
+    base = values[values.isfinite()].view(-1, 128)
+    down = base.new_zeros(base.shape[0], 16)
+    lora_B = base.new_zeros(128, 16)
+    fused = kernels.lora_b_scale_add_bf16(base, down, lora_B, 1.0, gelu_tanh=True)
     expected = _add_lora_up(base, down, lora_B, 1.0, True)
     if not bitwise_equal(fused, expected):
-        differ = fused.view(torch.int16) != expected.view(torch.int16)
-        differ = int(differ.view(-1, values.numel()).any(0).sum())
+        differ = int((fused.view(torch.int16) != expected.view(torch.int16)).sum())
         raise RuntimeError(
-            f"its tanh GELU differs from aten's on {differ} of {values.numel()} "
+            f"its tanh GELU differs from aten's on {differ} of {base.numel()} "
             "BF16 inputs"
         )
-    _GELU_TANH_CHECKED.add((device, linear))
+    _GELU_TANH_CHECKED.add(device)
 
 
 def joint_qk_norm_rope(
@@ -485,13 +382,9 @@ def gate_states() -> dict[str, dict[str, Any]]:
     """Per kernel: whether it is off for good, and how many signatures it has
     matched its eager chain on."""
     return {
-        gate.name: (
-            gate.state()
-            if isinstance(gate, SignatureGates)
-            else {
-                "disabled": gate.disabled,
-                "verified_signatures": len(gate.verified_sigs),
-            }
-        )
+        gate.name: {
+            "disabled": gate.disabled,
+            "verified_signatures": len(gate.verified_sigs),
+        }
         for gate in GATES
     }

@@ -11,7 +11,7 @@ and the flag that sets it:
 * ``num_inference_steps`` <= ``--train-parity-max-inference-steps``
 * ``num_frames`` <= ``--train-parity-max-num-frames``
 * ``width * height`` <= ``--train-parity-max-image-pixels`` (derived from
-  device memory, see ``train_parity.max_image_pixels``)
+  device memory, see ``train_parity_requests.max_image_pixels``)
 * the denoising work ``num_inference_steps * num_frames * width * height``
   (pixel-steps: what the DiT denoises, whatever the model's VAE and patch
   sizes; CFG branches are not counted, so a guided request costs up to twice
@@ -46,7 +46,7 @@ MAX_NUM_FRAMES = 1025
 MAX_DENOISING_WORK = 10**11
 
 # ServerArgs field -> (flag, the bounded quantity); the pixel bound's default
-# is resolved from device memory by train_parity.adjust_server_args.
+# is resolved from device memory by train_parity_requests.adjust_server_args.
 BOUNDS = {
     "train_parity_max_inference_steps": (
         "--train-parity-max-inference-steps",

@@ -45,8 +45,9 @@ class SideStream:
     current stream wait for the work issued there so far, ``to_side`` the
     reverse; both record the tensors they hand over on the receiving stream,
     so the caching allocator does not reuse their memory before the receiver's
-    kernels ran. Off CUDA, or with ``overlap=False``, every call is a no-op
-    and the work runs in issue order on the current stream.
+    kernels ran. ``inputs`` are handed to the side stream at construction.
+    Off CUDA, or with ``overlap=False``, every call is a no-op and the work
+    runs in issue order on the current stream (``NO_SIDE_STREAM``).
     """
 
     def __init__(
@@ -91,3 +92,7 @@ class SideStream:
         receiver.wait_stream(sender)
         for tensor in tensors:
             tensor.record_stream(receiver)
+
+
+# Every call a no-op: the work runs in issue order on the current stream.
+NO_SIDE_STREAM = SideStream(torch.device("cpu"), overlap=False)

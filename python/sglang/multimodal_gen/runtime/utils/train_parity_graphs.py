@@ -15,10 +15,11 @@ storage, each LoRA layer's flags, rank, alpha and strength); when any of it
 has changed, as after a weight or adapter update (also one that rescales an
 adapter whose factors stay in their storage), every graph is dropped and
 captured anew. What the LoRA layers read from the forward context (the
-runtime LoRA scale) is part of each call's signature. Calls a graph cannot replay exactly run eagerly: with
-autograd on, with module hooks installed, with tensors (inputs, parameters
-or buffers) that are not contiguous CUDA tensors, or with inputs the DiT's
-``train_parity_graph_replayable`` refuses; each reason is logged once.
+runtime LoRA scale) is part of each call's signature. Calls a graph cannot
+replay exactly run eagerly: with autograd on, with module hooks installed,
+with tensors (inputs, parameters or buffers) that are not contiguous CUDA
+tensors, or with inputs the DiT's ``train_parity_graph_replayable``
+refuses; each reason is logged once.
 
 The branches of a CFG step (``run_cfg_branches``) run on streams of their
 own, so that their replays overlap on the GPU: each issuing stream has its
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from functools import cache, partial
 from itertools import chain
 from operator import attrgetter, is_not, methodcaller
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -292,21 +293,23 @@ def _after_other_branches() -> None:
             current.wait_stream(stream)
 
 
-def run_cfg_branches(dit: nn.Module, branches: list[Callable[[], Any]]) -> list:
-    """Runs a CFG step's branch predictions. Where ``dit`` replays CUDA graphs,
-    each branch runs with a stream of its own as the current stream, so that
-    their replays overlap on the GPU; each stream starts after the current
-    stream's work, which waits for all of them before it returns. A kernel
-    computes the same bits on any stream, and each branch replays its own
-    graphs from its own memory pool. Otherwise the branches run one after
-    the other."""
+def run_cfg_branches(
+    dit: nn.Module, predict: Callable[[Any], Any], branches: Sequence
+) -> list:
+    """``[predict(branch) for branch in branches]``, a CFG step's branch
+    predictions. Where ``dit`` replays CUDA graphs, each branch runs with a
+    stream of its own as the current stream, so that their replays overlap on
+    the GPU; each stream starts after the current stream's work, which waits
+    for all of them before it returns. A kernel computes the same bits on any
+    stream, and each branch replays its own graphs from its own memory pool.
+    Otherwise the branches run one after the other."""
     if (
         len(branches) < 2
         or _branch_streams
-        or not isinstance(getattr(dit, "forward", None), ExactShapeGraphs)
+        or not isinstance(dit.forward, ExactShapeGraphs)
         or not next(dit.parameters()).is_cuda
     ):
-        return [branch() for branch in branches]
+        return [predict(branch) for branch in branches]
     main = torch.cuda.current_stream()
     streams = [_branch_stream(main.device, i) for i in range(len(branches))]
     results = []
@@ -316,7 +319,7 @@ def run_cfg_branches(dit: nn.Module, branches: list[Callable[[], Any]]) -> list:
             stream.wait_stream(main)
             _branch_streams.append(stream)
             with torch.cuda.stream(stream):
-                results.append(branch())
+                results.append(predict(branch))
     finally:
         _branch_streams.clear()
         dit.forward.step_state = None

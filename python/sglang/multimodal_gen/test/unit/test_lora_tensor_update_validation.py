@@ -112,8 +112,8 @@ def _lora_pipeline(dit: torch.nn.Module) -> LoRAPipeline:
 
 
 def test_refused_update_changes_nothing():
-    """One unknown layer among valid ones: the update used to apply the valid
-    layers and report success; now nothing is wrapped or written."""
+    """One unknown layer among valid ones: the whole update is refused, and
+    nothing is wrapped or written."""
     dit = _TinyDiT()
     before = {name: p.clone() for name, p in dit.named_parameters()}
     pipeline = _lora_pipeline(dit)

@@ -29,8 +29,7 @@ from sglang.multimodal_gen.runtime.models.dits import ltx_2
 from sglang.multimodal_gen.runtime.pipelines_core.stages.model_specific_stages.ltx_2.denoising import (
     LTX2DenoisingStage,
 )
-from sglang.multimodal_gen.runtime.utils import train_parity
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
+from sglang.multimodal_gen.runtime.utils import train_parity, train_parity_requests
 
 ltx_core_model = pytest.importorskip("ltx_core.model.transformer.model")
 from ltx_core.model.transformer.modality import Modality  # noqa: E402
@@ -87,16 +86,16 @@ def test_ltx2_text_to_video_opts_in_and_its_variants_are_refused():
 
 
 @pytest.mark.parametrize("scale, refused", [(1.0, False), (4.0, True)])
-def test_requests_are_unguided(scale, refused):
+def test_requests_are_unguided(scale, refused, server_args_for):
     """The trainer (miles) steps LTX-2 with one unguided forward."""
     args = server_args_for(LTX2PipelineConfig(), numerics="train_parity")
     params = SamplingParams(prompt="a cat", guidance_scale=scale)
     params._explicit_fields = {"prompt", "guidance_scale"}
     if refused:
         with pytest.raises(train_parity.TrainParityError, match="guidance_scale=4.0"):
-            train_parity.adjust_sampling_params(params, args)
+            train_parity_requests.adjust_sampling_params(params, args)
     else:
-        train_parity.adjust_sampling_params(params, args)
+        train_parity_requests.adjust_sampling_params(params, args)
 
 
 def _tiny_dits(numerics: str = "train_parity", **arch):

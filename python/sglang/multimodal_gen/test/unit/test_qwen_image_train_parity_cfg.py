@@ -12,13 +12,12 @@ from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
 )
 from sglang.multimodal_gen.configs.utils import update_config_from_args
 from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
 
 BF16 = torch.bfloat16
 
 
 @pytest.mark.parametrize("numerics", ["default", "train_parity"])
-def test_the_pipeline_config_carries_the_mode(numerics):
+def test_the_pipeline_config_carries_the_mode(numerics, server_args_for):
     args = server_args_for(QwenImagePipelineConfig(), numerics=numerics)
     assert args.pipeline_config.numerics == numerics
     # from CLI kwargs, both the pipeline config and ServerArgs take it

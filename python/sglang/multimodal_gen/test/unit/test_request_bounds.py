@@ -23,9 +23,6 @@ from sglang.multimodal_gen.runtime.scheduler_client import (
 )
 from sglang.multimodal_gen.runtime.utils import request_bounds
 from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
-from sglang.multimodal_gen.test.unit.test_train_parity_admission import _args
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import _parse
-from sglang.multimodal_gen.test.unit.test_train_parity_options import _request
 
 _SMALL_BOUNDS = dict(
     train_parity_max_inference_steps=8,
@@ -35,12 +32,12 @@ _SMALL_BOUNDS = dict(
 )
 
 
-def test_bounds_have_defaults_and_flags():
-    args = _args()
+def test_bounds_have_defaults_and_flags(parse_server_args, train_parity_args):
+    args = train_parity_args()
     assert args.train_parity_max_inference_steps == request_bounds.MAX_INFERENCE_STEPS
     assert args.train_parity_max_num_frames == request_bounds.MAX_NUM_FRAMES
     assert args.train_parity_max_denoising_work == request_bounds.MAX_DENOISING_WORK
-    parsed = _parse(
+    parsed = parse_server_args(
         [
             *("--train-parity-max-inference-steps", "8"),
             *("--train-parity-max-num-frames", "9"),
@@ -51,9 +48,9 @@ def test_bounds_have_defaults_and_flags():
     assert parsed.train_parity_max_num_frames == 9
     assert parsed.train_parity_max_denoising_work == 10
     with pytest.raises(ValueError, match="max-num-frames must be positive, got 0"):
-        _args(train_parity_max_num_frames=0)
+        train_parity_args(train_parity_max_num_frames=0)
     with pytest.raises(ValueError, match="applies only with --numerics train_parity"):
-        _args(numerics="default", train_parity_max_inference_steps=8)
+        train_parity_args(numerics="default", train_parity_max_inference_steps=8)
 
 
 @pytest.mark.parametrize(
@@ -77,17 +74,23 @@ def test_bounds_have_defaults_and_flags():
         ),
     ],
 )
-def test_a_request_over_a_bound_is_refused(request_kwargs, option, flag):
-    args = _args(**_SMALL_BOUNDS)
+def test_a_request_over_a_bound_is_refused(
+    request_kwargs, option, flag, train_parity_args, train_parity_request
+):
+    args = train_parity_args(**_SMALL_BOUNDS)
     with pytest.raises(TrainParityError, match=f"does not support {option}: ") as e:
-        _request(args, true_cfg_scale=4.0, **request_kwargs)
+        train_parity_request(args, true_cfg_scale=4.0, **request_kwargs)
     assert flag in str(e.value)
-    _request(_args(numerics="default"), **request_kwargs)
+    train_parity_request(train_parity_args(numerics="default"), **request_kwargs)
 
 
-def test_a_request_within_the_bounds_is_admitted():
-    args = _args(**_SMALL_BOUNDS)
-    _request(args, true_cfg_scale=4.0, num_inference_steps=8, width=64, height=32)
+def test_a_request_within_the_bounds_is_admitted(
+    train_parity_args, train_parity_request
+):
+    args = train_parity_args(**_SMALL_BOUNDS)
+    train_parity_request(
+        args, true_cfg_scale=4.0, num_inference_steps=8, width=64, height=32
+    )
     # an image model refuses num_frames != 1 whatever the bound, so the frame
     # bound is checked on its own
     frames = SimpleNamespace(num_inference_steps=8, num_frames=8, width=8, height=8)

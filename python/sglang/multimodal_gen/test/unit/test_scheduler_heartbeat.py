@@ -12,15 +12,16 @@ from sglang.multimodal_gen.runtime.managers.scheduler_heartbeat import (
     Heartbeat,
     HeartbeatMonitor,
 )
-from sglang.multimodal_gen.test.unit.test_train_parity_admission import _args
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import _parse
 
 
-def test_stall_timeout_flag():
-    assert _args(numerics="default").scheduler_stall_timeout == 300
-    assert _parse(["--scheduler-stall-timeout", "5"]).scheduler_stall_timeout == 5
+def test_stall_timeout_flag(parse_server_args, train_parity_args):
+    assert train_parity_args(numerics="default").scheduler_stall_timeout == 300
+    assert (
+        parse_server_args(["--scheduler-stall-timeout", "5"]).scheduler_stall_timeout
+        == 5
+    )
     with pytest.raises(ValueError, match="stall-timeout must be a positive integer"):
-        _args(numerics="default", scheduler_stall_timeout=0)
+        train_parity_args(numerics="default", scheduler_stall_timeout=0)
 
 
 def test_a_silent_replica_is_reported_and_a_beating_one_is_not(tmp_path):

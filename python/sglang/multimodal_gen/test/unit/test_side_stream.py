@@ -13,7 +13,6 @@ import torch
 from sglang.multimodal_gen.runtime.models.dits import qwen_image
 from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 from sglang.multimodal_gen.runtime.utils.side_stream import SideStream
-from sglang.multimodal_gen.test.unit.test_train_parity_graphs import _inputs, _tiny_dit
 
 pytestmark = pytest.mark.usefixtures("single_process_model_parallel")
 needs_cuda = pytest.mark.skipif(
@@ -82,9 +81,11 @@ def test_a_handed_over_tensor_outlives_the_receivers_reads():
 
 
 @needs_cuda
-def test_the_text_stream_on_a_side_stream_computes_the_same_bits(monkeypatch):
-    dit = _tiny_dit("cuda")
-    inputs = [_inputs(dit, "cuda", seed) for seed in range(3)]
+def test_the_text_stream_on_a_side_stream_computes_the_same_bits(
+    monkeypatch, tiny_qwen_image_dit, qwen_image_dit_inputs
+):
+    dit = tiny_qwen_image_dit("cuda")
+    inputs = [qwen_image_dit_inputs(dit, "cuda", seed) for seed in range(3)]
     with torch.no_grad():
         two_streams = [dit(**x) for x in inputs]
         monkeypatch.setattr(
@@ -99,10 +100,12 @@ def test_the_text_stream_on_a_side_stream_computes_the_same_bits(monkeypatch):
 
 
 @needs_cuda
-def test_a_block_with_forward_hooks_fences_the_side_stream(monkeypatch):
+def test_a_block_with_forward_hooks_fences_the_side_stream(
+    monkeypatch, tiny_qwen_image_dit, qwen_image_dit_inputs
+):
     # a pre-forward hook that writes the block's text modulation weight late on
     # the current stream, as a weight prefetch the current stream waits for
-    dit = _tiny_dit("cuda")
+    dit = tiny_qwen_image_dit("cuda")
     block = dit.transformer_blocks[0]
     weight = block.txt_mod[1].weight
     old, new = weight.detach().clone(), weight.detach() * 2
@@ -115,7 +118,7 @@ def test_a_block_with_forward_hooks_fences_the_side_stream(monkeypatch):
         weight.data.copy_(start_with)
         torch.cuda.synchronize()
         # fresh inputs: no modulation cached from an earlier call
-        return dit(**_inputs(dit, "cuda", 0))
+        return dit(**qwen_image_dit_inputs(dit, "cuda", 0))
 
     with torch.no_grad():
         expected = forward(new)

@@ -61,8 +61,8 @@ def test_full_update_reports_the_tensors_it_loaded():
 
 @pytest.mark.parametrize("mode", ["lora", "LoRA_merge", "full", ""])
 def test_unknown_update_mode_is_refused(mode):
-    """An unknown mode used to fall back to the full-weight path, which skipped
-    every LoRA tensor and reported success."""
+    """An unknown mode is refused, not taken for the full-weight path, which
+    would skip every LoRA tensor and report success."""
     pipeline = _pipeline()
     tensors = [("proj.lora_A.weight", torch.randn(2, 8))]
     _assert_refused_unchanged(
@@ -89,8 +89,8 @@ def test_lora_tensors_without_the_lora_mode_are_refused():
 
 
 def test_one_unknown_tensor_refuses_the_whole_update():
-    """The known tensors used to load and the unknown one to be skipped with a
-    warning, reporting success."""
+    """The known tensors are not loaded with the unknown one skipped with a
+    warning: the whole update is refused."""
     pipeline = _pipeline()
     tensors = [
         ("proj.weight", torch.ones(8, 8)),

@@ -3,46 +3,20 @@
 why not: options that batch or recast the DiT are refused at startup, requests
 are checked at admission, and a LoRA update states its rank and alpha."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-    QwenImagePipelineConfig,
-)
 from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
 from sglang.multimodal_gen.runtime.post_training.weights_updater import WeightsUpdater
-from sglang.multimodal_gen.runtime.utils import train_parity
-from sglang.multimodal_gen.runtime.utils.train_parity import (
-    TrainParityContract,
-    TrainParityError,
-)
+from sglang.multimodal_gen.runtime.utils import train_parity_requests
+from sglang.multimodal_gen.runtime.utils.train_parity import TrainParityError
 from sglang.multimodal_gen.test.unit.conftest import mock_cuda_platform
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
-from sglang.multimodal_gen.test.unit.test_train_parity_options import _request
 
 
-@dataclass
-class _OptedInPipelineConfig(QwenImagePipelineConfig):
-    train_parity_contract = TrainParityContract(
-        "Test family",
-        "a training forward",
-        "QwenImageTransformer2DModel",
-        (),
-        cfg_scale_fields=("true_cfg_scale",),
-        pixels_per_patch=16,
-    )
-
-
-def _args(numerics: str = "train_parity", **kwargs):
-    return server_args_for(_OptedInPipelineConfig(), numerics=numerics, **kwargs)
-
-
-def test_stage_autocast_is_switched_off():
-    assert _args().disable_autocast is True
-    assert _args(disable_autocast=True).disable_autocast is True
+def test_stage_autocast_is_switched_off(train_parity_args):
+    assert train_parity_args().disable_autocast is True
+    assert train_parity_args(disable_autocast=True).disable_autocast is True
 
 
 @pytest.mark.parametrize(
@@ -52,29 +26,32 @@ def test_stage_autocast_is_switched_off():
         (dict(batching_max_size=4, batching_delay_ms=200), "--batching-max-size 4"),
     ],
 )
-def test_options_that_batch_or_recast_the_dit_are_refused(kwargs, option):
+def test_options_that_batch_or_recast_the_dit_are_refused(
+    kwargs, option, train_parity_args
+):
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
-        _args(**kwargs)
-    _args(numerics="default", **kwargs)  # the default mode serves them
+        train_parity_args(**kwargs)
+    train_parity_args(numerics="default", **kwargs)  # the default mode serves them
 
 
-def test_image_bound_derives_from_device_memory():
+def test_image_bound_derives_from_device_memory(train_parity_args):
     # mock_cuda_platform: an 80 GB device
-    bound = _args().train_parity_max_image_pixels
-    assert bound == 80 * 1024**3 // train_parity.MIN_BYTES_PER_PIXEL
-    assert _args(train_parity_max_image_pixels=4096).train_parity_max_image_pixels == (
-        4096
-    )
+    bound = train_parity_args().train_parity_max_image_pixels
+    assert bound == 80 * 1024**3 // train_parity_requests.MIN_BYTES_PER_PIXEL
+    explicit = train_parity_args(train_parity_max_image_pixels=4096)
+    assert explicit.train_parity_max_image_pixels == 4096
     with pytest.raises(ValueError, match="must be positive, got 0"):
-        _args(train_parity_max_image_pixels=0)
+        train_parity_args(train_parity_max_image_pixels=0)
     with pytest.raises(ValueError, match="applies only with --numerics train_parity"):
-        _args(numerics="default", train_parity_max_image_pixels=4096)
+        train_parity_args(numerics="default", train_parity_max_image_pixels=4096)
 
 
-def test_a_complete_request_is_admitted():
-    args = _args(train_parity_max_image_pixels=64 * 64)
-    _request(args, true_cfg_scale=4.0, width=64, height=64, generator_device="cpu")
-    _request(args, true_cfg_scale=1.0, generator_device="cuda")
+def test_a_complete_request_is_admitted(train_parity_args, train_parity_request):
+    args = train_parity_args(train_parity_max_image_pixels=64 * 64)
+    train_parity_request(
+        args, true_cfg_scale=4.0, width=64, height=64, generator_device="cpu"
+    )
+    train_parity_request(args, true_cfg_scale=1.0, generator_device="cuda")
 
 
 @pytest.mark.parametrize(
@@ -96,56 +73,72 @@ def test_a_complete_request_is_admitted():
         (dict(true_cfg_scale=4.0, fps=8), "fps=8 on an image model"),
     ],
 )
-def test_request_input_is_checked_at_admission(request_kwargs, option):
-    """Each used to be accepted: without true_cfg_scale the request failed at its
-    first denoising step, a huge image failed allocating its latents, an
-    unknown generator_device silently meant the accelerator, a size that is not
-    a whole number of DiT patches failed in the pipeline (or served another
-    size), and an image model ignored the video fields."""
-    args = _args(train_parity_max_image_pixels=64 * 64)
+def test_request_input_is_checked_at_admission(
+    request_kwargs, option, train_parity_args, train_parity_request
+):
+    """Each is refused at admission. Admitted, a request without true_cfg_scale
+    would fail at its first denoising step, a huge image allocating its
+    latents, a size that is not a whole number of DiT patches in the pipeline
+    (or serve another size); an unknown generator_device would mean the
+    accelerator, and an image model would ignore the video fields."""
+    args = train_parity_args(train_parity_max_image_pixels=64 * 64)
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
-        _request(args, **request_kwargs)
-    _request(_args(numerics="default"), **request_kwargs)
+        train_parity_request(args, **request_kwargs)
+    train_parity_request(train_parity_args(numerics="default"), **request_kwargs)
 
 
-def test_whole_patches_and_a_single_frame_are_admitted():
-    args = _args()
-    _request(args, true_cfg_scale=4.0, width=16, height=48, num_frames=1)
+def test_whole_patches_and_a_single_frame_are_admitted(
+    train_parity_args, train_parity_request
+):
+    args = train_parity_args()
+    train_parity_request(args, true_cfg_scale=4.0, width=16, height=48, num_frames=1)
     with pytest.raises(TrainParityError, match="a width that is a multiple of 16"):
-        _request(args, true_cfg_scale=4.0, width=15, height=16)
+        train_parity_request(args, true_cfg_scale=4.0, width=15, height=16)
 
 
-def test_a_cfg_scale_left_to_a_default_is_refused():
+def test_a_cfg_scale_left_to_a_default_is_refused(train_parity_args):
     """A sampling params class may default the scale (Wan's guidance_scale):
     only a value the request states is the trainer's."""
-    args = _args()
+    args = train_parity_args()
     params = SamplingParams(prompt="a cat", true_cfg_scale=4.0)
     params._explicit_fields = {"prompt"}
     with pytest.raises(TrainParityError, match="a request without true_cfg_scale"):
-        train_parity.adjust_sampling_params(params, args)
+        train_parity_requests.adjust_sampling_params(params, args)
     params._explicit_fields = {"prompt", "true_cfg_scale"}
-    train_parity.adjust_sampling_params(params, args)
+    train_parity_requests.adjust_sampling_params(params, args)
 
 
-def test_rollouts_draw_noise_on_the_server_device():
+def test_rollouts_draw_noise_on_the_server_device(
+    train_parity_args, train_parity_request
+):
     """On a GPU server a rollout's SDE noise is drawn on the GPU with the request's
-    generator: a CPU generator used to fail there with a 500 at the first step."""
-    args = _args()
+    generator: a CPU generator would fail there with a 500 at the first step."""
+    args = train_parity_args()
     with mock_cuda_platform():
         with pytest.raises(
             TrainParityError, match="generator_device='cpu' in a rollout"
         ):
-            _request(args, true_cfg_scale=4.0, generator_device="cpu", rollout=True)
-        _request(args, true_cfg_scale=4.0, generator_device="cuda", rollout=True)
-        _request(args, true_cfg_scale=4.0, generator_device="cpu")  # not a rollout
-    _request(args, true_cfg_scale=4.0, generator_device="cpu", rollout=True)  # CPU
+            train_parity_request(
+                args, true_cfg_scale=4.0, generator_device="cpu", rollout=True
+            )
+        train_parity_request(
+            args, true_cfg_scale=4.0, generator_device="cuda", rollout=True
+        )
+        # not a rollout
+        train_parity_request(args, true_cfg_scale=4.0, generator_device="cpu")
+    # on a CPU server
+    train_parity_request(args, true_cfg_scale=4.0, generator_device="cpu", rollout=True)
 
 
-def test_unknown_request_fields_are_refused():
+def test_unknown_request_fields_are_refused(train_parity_args):
     with pytest.raises(TrainParityError, match="guidance_rescale"):
-        train_parity.check_request_fields(["guidance_rescale"], _args())
-    train_parity.check_request_fields([], _args())
-    train_parity.check_request_fields(["guidance_rescale"], _args(numerics="default"))
+        train_parity_requests.check_request_fields(
+            ["guidance_rescale"], train_parity_args()
+        )
+    train_parity_requests.check_request_fields([], train_parity_args())
+    train_parity_requests.check_request_fields(
+        ["guidance_rescale"], train_parity_args(numerics="default")
+    )
 
 
 class _TinyDiT(torch.nn.Module):
@@ -183,7 +176,7 @@ def _lora_update(numerics: str, **request):
     ],
 )
 def test_lora_update_states_rank_and_alpha(request_kwargs, missing):
-    """Without lora_alpha the update used to apply scale 1 (alpha = rank). It is
+    """Without lora_alpha the update would apply scale 1 (alpha = rank): it is
     refused before any layer is wrapped."""
     ok, message = _lora_update("train_parity", **request_kwargs)
     assert not ok

@@ -4,7 +4,6 @@ every replay equals the eager forward bitwise, also after a weight update and wi
 CFG step's branches replayed at once on two streams."""
 
 import inspect
-from functools import partial
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
@@ -12,22 +11,18 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-    QwenImagePipelineConfig,
-)
 from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
 from sglang.multimodal_gen.runtime.layers.lora.linear import (
+    BaseLayerWithLoRA,
     replace_submodule,
     wrap_with_lora_layer,
 )
+from sglang.multimodal_gen.runtime.managers import forward_context
 from sglang.multimodal_gen.runtime.models.dits.qwen_image import (
     QwenImageTransformer2DModel,
 )
 from sglang.multimodal_gen.runtime.utils import train_parity_graphs
 from sglang.multimodal_gen.runtime.utils.train_parity import numerics_mode_context
-from sglang.multimodal_gen.test.unit.test_qwen_image_train_parity import (
-    _tiny_dit as tiny_qwen_dit,
-)
 
 pytestmark = pytest.mark.usefixtures("single_process_model_parallel")
 needs_cuda = pytest.mark.skipif(
@@ -35,39 +30,9 @@ needs_cuda = pytest.mark.skipif(
 )
 
 
-def _tiny_dit(device: str) -> QwenImageTransformer2DModel:
-    dit = tiny_qwen_dit("train_parity")
-    for param in dit.parameters():
-        param.data.normal_(0, 0.05)
-    return dit.to(device, torch.bfloat16).eval()
-
-
-def _inputs(dit, device: str, seed: int, text_len: int = 7, mask: bool = False):
-    generator = torch.Generator(device).manual_seed(seed)
-    img_shapes = [[(1, 4, 4)]]
-    freqs_cis, freqs_complex = QwenImagePipelineConfig.get_freqs_cis(
-        img_shapes, [text_len], dit.rotary_emb, torch.device(device), torch.bfloat16
-    )
-    text = torch.randn(1, text_len, 64, generator=generator, device=device)
-    return dict(
-        hidden_states=torch.randn(1, 16, 64, generator=generator, device=device).to(
-            torch.bfloat16
-        ),
-        encoder_hidden_states=text.to(torch.bfloat16),
-        encoder_hidden_states_mask=(
-            torch.ones(1, text_len, dtype=torch.bool, device=device) if mask else None
-        ),
-        timestep=torch.rand(1, generator=generator, device=device) * 1000,
-        img_shapes=img_shapes,
-        txt_seq_lens=[text_len],
-        freqs_cis=freqs_cis,
-        freqs_complex=freqs_complex,
-    )
-
-
-def test_only_a_dit_that_says_how_gets_graphs():
+def test_only_a_dit_that_says_how_gets_graphs(tiny_qwen_image_dit):
     assert train_parity_graphs.install(torch.nn.Linear(2, 2)) is False
-    dit = _tiny_dit("cpu")
+    dit = tiny_qwen_image_dit("cpu")
     eager_forward = dit.forward
     assert train_parity_graphs.install(dit)
     assert isinstance(dit.forward, train_parity_graphs.ExactShapeGraphs)
@@ -76,9 +41,9 @@ def test_only_a_dit_that_says_how_gets_graphs():
     assert inspect.unwrap(dit.forward) == eager_forward
 
 
-def test_calls_a_graph_cannot_replay_run_eagerly(monkeypatch):
+def test_calls_a_graph_cannot_replay_run_eagerly(monkeypatch, tiny_qwen_image_dit):
     monkeypatch.setattr(train_parity_graphs, "logger", MagicMock())
-    dit = _tiny_dit("cpu")
+    dit = tiny_qwen_image_dit("cpu")
     graphs = train_parity_graphs.ExactShapeGraphs(dit)
     leaves, spec = [torch.zeros(2)], None
     with torch.no_grad():
@@ -99,10 +64,12 @@ def test_calls_a_graph_cannot_replay_run_eagerly(monkeypatch):
     ]
 
 
-def test_the_state_changes_with_anything_a_graph_holds(monkeypatch):
+def test_the_state_changes_with_anything_a_graph_holds(
+    monkeypatch, tiny_qwen_image_dit
+):
     # on the CPU, as if on the GPU: the state is read the same way
     monkeypatch.setattr(train_parity_graphs, "_on_gpu", lambda tensors: True)
-    dit = _tiny_dit("cpu")
+    dit = tiny_qwen_image_dit("cpu")
     attn = dit.transformer_blocks[1].attn
     attn.add_module("extra", wrap_with_lora_layer(ReplicatedLinear(8, 8)))
     tree = train_parity_graphs._ModuleTreeState(dit)
@@ -184,11 +151,11 @@ def _perturbed(value):
     return None
 
 
-def test_a_lora_layer_states_every_scalar_its_forward_reads():
+def test_a_lora_layer_states_every_scalar_its_forward_reads(tiny_qwen_image_dit):
     """Each plain scalar attribute of a train_parity LoRA layer, changed: where
     the forward's output changes (or it refuses), the layer's numerics_state
     changes too, so no such value can be left out of what a graph is keyed on."""
-    dit = _tiny_dit("cpu")
+    dit = tiny_qwen_image_dit("cpu")
     layer = _with_lora_update_from_host(dit)
     x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
 
@@ -227,12 +194,9 @@ class _Recorder:
 
 
 def test_the_signature_holds_what_the_forward_reads_from_the_forward_context(
-    monkeypatch,
+    monkeypatch, tiny_qwen_image_dit, qwen_image_dit_inputs
 ):
-    from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
-    from sglang.multimodal_gen.runtime.managers import forward_context
-
-    dit = _tiny_dit("cpu")
+    dit = tiny_qwen_image_dit("cpu")
     _with_lora_update_from_host(dit)
     batch = SimpleNamespace(
         runtime_lora_scale=1.0, sampling_params=SimpleNamespace(quality=None)
@@ -254,16 +218,16 @@ def test_the_signature_holds_what_the_forward_reads_from_the_forward_context(
             run()
         return reads
 
-    forward = reads_of(lambda: dit(**_inputs(dit, "cpu", 0)))
+    forward = reads_of(lambda: dit(**qwen_image_dit_inputs(dit, "cpu", 0)))
     assert "forward_batch.runtime_lora_scale" in forward
     assert forward <= reads_of(BaseLayerWithLoRA.forward_context_state)
 
 
 @needs_cuda
-def test_an_adapter_rescaled_in_its_storage_replays_the_new_scale(monkeypatch):
-    from sglang.multimodal_gen.runtime.layers.lora.linear import BaseLayerWithLoRA
-
-    dit = _tiny_dit("cuda")
+def test_an_adapter_rescaled_in_its_storage_replays_the_new_scale(
+    monkeypatch, tiny_qwen_image_dit, qwen_image_dit_inputs
+):
+    dit = tiny_qwen_image_dit("cuda")
     layer = _with_lora_update_from_host(dit)
     eager_forward = dit.forward
     train_parity_graphs.install(dit)
@@ -278,7 +242,7 @@ def test_an_adapter_rescaled_in_its_storage_replays_the_new_scale(monkeypatch):
         assert layer.lora_B.data_ptr() == lora_B.data_ptr()
 
     with torch.no_grad():
-        inputs = _inputs(dit, "cuda", 0)
+        inputs = qwen_image_dit_inputs(dit, "cuda", 0)
         for _ in range(3):  # eager, capture, replay
             assert torch.equal(dit(**inputs), eager_forward(**inputs))
         rescale(12)
@@ -297,13 +261,15 @@ def test_an_adapter_rescaled_in_its_storage_replays_the_new_scale(monkeypatch):
 
 
 @needs_cuda
-def test_a_lora_update_sent_from_the_host_replays():
-    dit = _tiny_dit("cuda")
+def test_a_lora_update_sent_from_the_host_replays(
+    tiny_qwen_image_dit, qwen_image_dit_inputs
+):
+    dit = tiny_qwen_image_dit("cuda")
     layer = _with_lora_update_from_host(dit)
     eager_forward = dit.forward
     train_parity_graphs.install(dit)
     with torch.no_grad():
-        inputs = _inputs(dit, "cuda", 0)
+        inputs = qwen_image_dit_inputs(dit, "cuda", 0)
         for _ in range(3):
             assert torch.equal(dit(**inputs), eager_forward(**inputs))
         assert len(dit.forward.graphs) == 1
@@ -314,18 +280,20 @@ def test_a_lora_update_sent_from_the_host_replays():
 
 
 @needs_cuda
-def test_replays_equal_the_eager_forward_bitwise():
-    dit = _tiny_dit("cuda")
+def test_replays_equal_the_eager_forward_bitwise(
+    tiny_qwen_image_dit, qwen_image_dit_inputs
+):
+    dit = tiny_qwen_image_dit("cuda")
     eager_forward = dit.forward
     train_parity_graphs.install(dit)
     graphs = dit.forward
     with torch.no_grad():
         for seed in range(4):
-            inputs = _inputs(dit, "cuda", seed)
+            inputs = qwen_image_dit_inputs(dit, "cuda", seed)
             assert torch.equal(dit(**inputs), eager_forward(**inputs))
         assert len(graphs.graphs) == 1
         # a new prompt length is a new graph, not a padded one
-        inputs = _inputs(dit, "cuda", 9, text_len=11)
+        inputs = qwen_image_dit_inputs(dit, "cuda", 9, text_len=11)
         for _ in range(2):
             assert torch.equal(dit(**inputs), eager_forward(**inputs))
         assert len(graphs.graphs) == 2
@@ -334,7 +302,7 @@ def test_replays_equal_the_eager_forward_bitwise():
         stale = next(iter(graphs.graphs.values()))
         weight = dit.proj_out.weight
         weight.data = weight.data * 1.5
-        inputs = _inputs(dit, "cuda", 5)
+        inputs = qwen_image_dit_inputs(dit, "cuda", 5)
         eager = eager_forward(**inputs)
         assert not torch.equal(stale.replay(tree_flatten(((), inputs))[0]), eager)
         assert torch.equal(dit(**inputs), eager)
@@ -345,7 +313,7 @@ def test_replays_equal_the_eager_forward_bitwise():
         weight.data.mul_(0.5)
         assert torch.equal(dit(**inputs), eager_forward(**inputs))
         # a text mask and module hooks run the eager forward
-        masked = _inputs(dit, "cuda", 6, mask=True)
+        masked = qwen_image_dit_inputs(dit, "cuda", 6, mask=True)
         for _ in range(2):
             assert torch.equal(dit(**masked), eager_forward(**masked))
         handle = dit.proj_out.register_forward_hook(lambda *args: None)
@@ -363,26 +331,25 @@ def test_replays_equal_the_eager_forward_bitwise():
             ]
 
 
-def test_cfg_branches_run_in_turn_without_graphs_on_cuda():
+def test_cfg_branches_run_in_turn_without_graphs_on_cuda(tiny_qwen_image_dit):
     calls = []
 
-    def branch(name):
-        return lambda: calls.append(name) or name
+    def predict(branch):
+        calls.append(branch)
+        return branch
 
-    for dit in (torch.nn.Linear(2, 2), _tiny_dit("cpu")):
+    for dit in (torch.nn.Linear(2, 2), tiny_qwen_image_dit("cpu")):
         train_parity_graphs.install(dit)
         calls.clear()
-        results = train_parity_graphs.run_cfg_branches(dit, [branch("a"), branch("b")])
+        results = train_parity_graphs.run_cfg_branches(dit, predict, ["a", "b"])
         assert results == calls == ["a", "b"]
 
 
-def _cfg_pair(dit, seed: int, text_lens: tuple[int, int]):
-    return [_inputs(dit, "cuda", seed + k, text_len=n) for k, n in enumerate(text_lens)]
-
-
 @needs_cuda
-def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(monkeypatch):
-    dit = _tiny_dit("cuda")
+def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(
+    monkeypatch, tiny_qwen_image_dit, qwen_image_dit_inputs
+):
+    dit = tiny_qwen_image_dit("cuda")
     eager_forward = dit.forward
     train_parity_graphs.install(dit)
     graphs = dit.forward
@@ -390,9 +357,12 @@ def test_cfg_branches_on_their_own_streams_equal_the_forwards_in_turn(monkeypatc
     def run(text_lens, compare=True):
         # first sight eager, then capture, then replays
         for seed in range(0, 40, 10):
-            pair = _cfg_pair(dit, seed, text_lens)
+            pair = [
+                qwen_image_dit_inputs(dit, "cuda", seed + k, text_len=n)
+                for k, n in enumerate(text_lens)
+            ]
             outs = train_parity_graphs.run_cfg_branches(
-                dit, [partial(dit, **inputs) for inputs in pair]
+                dit, lambda inputs: dit(**inputs), pair
             )
             for out, inputs in zip(outs, pair):
                 assert not compare or torch.equal(out, eager_forward(**inputs))

@@ -12,7 +12,6 @@ from torch import nn
 from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
-from sglang.multimodal_gen.runtime.layers import train_parity_kernels
 from sglang.multimodal_gen.runtime.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -22,12 +21,11 @@ from sglang.multimodal_gen.runtime.layers.lora import linear as lora_linear
 from sglang.multimodal_gen.runtime.layers.lora.linear import wrap_with_lora_layer
 from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
 from sglang.multimodal_gen.runtime.pipelines_core.lora.pipeline import LoRAPipeline
-from sglang.multimodal_gen.runtime.utils import train_parity
+from sglang.multimodal_gen.runtime.utils import train_parity_lora
 from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityError,
     numerics_mode_context,
 )
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
 
 peft = pytest.importorskip("peft")
 
@@ -104,48 +102,6 @@ def test_the_factors_are_held_where_the_base_weight_is(masters):
         assert factor.is_meta and factor.dtype == BF16
 
 
-@pytest.mark.parametrize(
-    "kind", [ColumnParallelLinear, RowParallelLinear, ReplicatedLinear]
-)
-def test_a_biased_base_gemm_runs_with_the_update(kind, masters, monkeypatch):
-    """The base GEMM of an unquantized layer with its bias fused goes to
-    ``linear_add_lora_up`` (with its GELU for ``forward_gelu_tanh``), which can run
-    it in the kernel that adds the update;
-    with a hook on the base layer, or without a bias (cuBLAS takes another path
-    then), the layer runs its base layer."""
-    calls = []
-    linear_add_lora_up = train_parity_kernels.linear_add_lora_up
-
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return linear_add_lora_up(*args, **kwargs)
-
-    monkeypatch.setattr(train_parity_kernels, "linear_add_lora_up", spy)
-    layer = _lora_layer(kind, masters)
-    layer.set_lora_weights(masters.lora_A, masters.lora_B, merge_weights=False)
-    x = torch.randn(2, 13, IN).to(BF16)
-    with torch.no_grad():
-        out, bias = layer(x)
-        assert bias is None and torch.equal(out, _peft_reference(masters)(x))
-        assert len(calls) == 1
-        # a hook on the base layer needs its output: the layer runs it
-        seen = []
-        handle = layer.base_layer.register_forward_hook(
-            lambda module, args, out: seen.append(out[0])
-        )
-        assert torch.equal(layer(x)[0], out)
-        handle.remove()
-        assert len(calls) == 1 and len(seen) == 1
-        # the MLP up-projection's GELU: the same kernel path, through the GELU
-        gelu_out = layer.forward_gelu_tanh(x)
-        assert len(calls) == 2 and calls[-1][1]["gelu_tanh"]
-        assert torch.equal(gelu_out, nn.functional.gelu(out, approximate="tanh"))
-        layer.base_layer.bias = None
-        layer(x)
-        layer.forward_gelu_tanh(x)
-    assert len(calls) == 2
-
-
 def test_forward_gelu_tanh_is_the_gelu_of_the_forward(masters):
     layer = _lora_layer(ReplicatedLinear, masters)
     layer.set_lora_weights(masters.lora_A, masters.lora_B, merge_weights=False)
@@ -174,7 +130,7 @@ REFUSED = {
 @pytest.mark.parametrize("tp_size", [1, 2])
 @pytest.mark.parametrize("option", sorted(REFUSED))
 def test_layer_refuses_what_peft_does_not_run(option, tp_size, masters):
-    """With tensor parallelism the forward is no longer bitwise; the adapter rules stay."""
+    """With tensor parallelism the forward is not bitwise; the adapter rules stay."""
     with patch.object(lora_linear, "get_tp_world_size", return_value=tp_size):
         layer = _lora_layer(ColumnParallelLinear, masters)
     assert layer.train_parity and layer.peft_forward == (tp_size == 1)
@@ -255,11 +211,11 @@ def test_merge_and_unmerge_are_refused(endpoint):
 )
 def test_peft_configs_beyond_plain_lora_are_refused(setting, problem):
     with pytest.raises(TrainParityError, match=problem):
-        train_parity.check_peft_config({"r": 4, "lora_alpha": 8, **setting})
-    train_parity.check_peft_config({"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
+        train_parity_lora.check_peft_config({"r": 4, "lora_alpha": 8, **setting})
+    train_parity_lora.check_peft_config({"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
 
 
-def test_startup_lora_scale_is_refused():
+def test_startup_lora_scale_is_refused(server_args_for):
     with pytest.raises(TrainParityError, match="does not support --lora-scale 0.5: "):
         server_args_for(
             QwenImagePipelineConfig(), numerics="train_parity", lora_scale=0.5

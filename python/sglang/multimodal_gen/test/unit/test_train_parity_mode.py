@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """--numerics: the switch, construction-scoped dispatch, and which models accept train_parity."""
 
-import sys
 from unittest.mock import patch
 
 import pytest
@@ -11,37 +10,18 @@ from sglang.multimodal_gen.configs.pipeline_configs.base import PipelineConfig
 from sglang.multimodal_gen.registry import get_registered_pipeline_config_classes
 from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
 from sglang.multimodal_gen.runtime.models.registry import ModelRegistry
-from sglang.multimodal_gen.runtime.server_args import ServerArgs
 from sglang.multimodal_gen.runtime.utils import train_parity
-from sglang.multimodal_gen.runtime.utils.argparse import FlexibleArgumentParser
 from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityContract,
     TrainParityError,
 )
-from sglang.multimodal_gen.test.unit.conftest import mock_cuda_platform
 
 
-def server_args_for(pipeline_config: PipelineConfig, **kwargs) -> ServerArgs:
-    """ServerArgs for `pipeline_config` without resolving a model."""
-    with (
-        patch.object(PipelineConfig, "from_kwargs", return_value=pipeline_config),
-        mock_cuda_platform(),
-    ):
-        return ServerArgs.from_dict({"model_path": "test/model", **kwargs})
-
-
-def _parse(argv: list[str]):
-    parser = FlexibleArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    with patch.object(sys, "argv", ["sglang", *argv]):
-        return parser.parse_args(argv)
-
-
-def test_cli_takes_the_numerics_modes():
-    assert _parse([]).numerics == "default"
-    assert _parse(["--numerics", "train_parity"]).numerics == "train_parity"
+def test_cli_takes_the_numerics_modes(parse_server_args):
+    assert parse_server_args([]).numerics == "default"
+    assert parse_server_args(["--numerics", "train_parity"]).numerics == "train_parity"
     with pytest.raises(SystemExit):
-        _parse(["--numerics", "bitwise"])
+        parse_server_args(["--numerics", "bitwise"])
 
 
 def test_unknown_mode_is_rejected():
@@ -63,7 +43,7 @@ def test_registry_lists_the_families():
 
 
 @pytest.mark.parametrize("config_cls", _registered_families(), ids=lambda c: c.__name__)
-def test_every_family_opts_in_or_is_refused_at_startup(config_cls):
+def test_every_family_opts_in_or_is_refused_at_startup(config_cls, server_args_for):
     contract = train_parity.train_parity_contract(config_cls())
     if contract is not None:
         assert server_args_for(config_cls(), numerics="train_parity").numerics == (
@@ -77,13 +57,13 @@ def test_every_family_opts_in_or_is_refused_at_startup(config_cls):
     assert config_cls.__name__ in message and "serve a supported family" in message
 
 
-def test_the_default_mode_is_unchanged():
+def test_the_default_mode_is_unchanged(server_args_for):
     from sglang.multimodal_gen.configs.pipeline_configs.flux import FluxPipelineConfig
 
     assert server_args_for(FluxPipelineConfig()).numerics == "default"
 
 
-def test_an_opted_in_family_is_served_and_named():
+def test_an_opted_in_family_is_served_and_named(server_args_for):
     class Family(PipelineConfig):
         train_parity_contract = TrainParityContract(
             "F", "the F trainer", "FDiT", (), pixels_per_patch=1

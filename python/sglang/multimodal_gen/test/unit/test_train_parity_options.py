@@ -10,13 +10,11 @@ from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
     QwenImagePipelineConfig,
 )
 from sglang.multimodal_gen.configs.quantization.qvg_kv import QVGKVQuantArgs
-from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
-from sglang.multimodal_gen.runtime.utils import train_parity
+from sglang.multimodal_gen.runtime.utils import train_parity_requests
 from sglang.multimodal_gen.runtime.utils.train_parity import (
     TrainParityContract,
     TrainParityError,
 )
-from sglang.multimodal_gen.test.unit.test_train_parity_mode import server_args_for
 
 
 @dataclass
@@ -30,9 +28,16 @@ class _OptedInPipelineConfig(QwenImagePipelineConfig):
     )
 
 
-def _args(numerics: str = "train_parity", pipeline_kwargs=None, **kwargs):
-    pipeline_config = _OptedInPipelineConfig(**(pipeline_kwargs or {}))
-    return server_args_for(pipeline_config, numerics=numerics, **kwargs)
+@pytest.fixture
+def opted_in_args(server_args_for):
+    """ServerArgs for a family that opts in:
+    ``opted_in_args(numerics=..., pipeline_kwargs=..., **fields)``."""
+
+    def build(numerics: str = "train_parity", pipeline_kwargs=None, **kwargs):
+        pipeline_config = _OptedInPipelineConfig(**(pipeline_kwargs or {}))
+        return server_args_for(pipeline_config, numerics=numerics, **kwargs)
+
+    return build
 
 
 @pytest.fixture
@@ -41,13 +46,13 @@ def train_parity_log():
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    train_parity.logger.addHandler(handler)
+    train_parity_requests.logger.addHandler(handler)
     yield lines
-    train_parity.logger.removeHandler(handler)
+    train_parity_requests.logger.removeHandler(handler)
 
 
-def test_single_valued_options_are_set_and_logged(train_parity_log):
-    args = _args()
+def test_single_valued_options_are_set_and_logged(train_parity_log, opted_in_args):
+    args = opted_in_args()
     assert args.attention_backend == "torch_sdpa"
     assert args.lora_merge_mode == "dynamic"
     assert args.enable_breakable_cuda_graph is False
@@ -62,8 +67,8 @@ def test_single_valued_options_are_set_and_logged(train_parity_log):
         assert f"--numerics train_parity: setting {field}=" in log
 
 
-def test_the_valid_values_are_accepted_explicitly():
-    args = _args(
+def test_the_valid_values_are_accepted_explicitly(opted_in_args):
+    args = opted_in_args(
         attention_backend="torch_sdpa",
         lora_merge_mode="dynamic",
         enable_breakable_cuda_graph=False,
@@ -72,8 +77,8 @@ def test_the_valid_values_are_accepted_explicitly():
     assert (args.attention_backend, args.lora_merge_mode) == ("torch_sdpa", "dynamic")
 
 
-def test_the_default_mode_sets_nothing():
-    args = _args(numerics="default")
+def test_the_default_mode_sets_nothing(opted_in_args):
+    args = opted_in_args(numerics="default")
     assert args.lora_merge_mode == "auto"
     assert args.attention_backend != "torch_sdpa"
 
@@ -98,46 +103,39 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("option", sorted(REFUSED))
-def test_option_is_refused_with_its_reason(option):
+def test_option_is_refused_with_its_reason(option, opted_in_args):
     with pytest.raises(TrainParityError) as refused:
-        _args(**REFUSED[option])
+        opted_in_args(**REFUSED[option])
     message = str(refused.value)
     assert message.startswith(f"--numerics train_parity does not support {option}: ")
     assert "; " in message  # why, then what to do instead
 
 
-def test_cache_dit_from_the_environment_is_refused(monkeypatch):
+def test_cache_dit_from_the_environment_is_refused(monkeypatch, opted_in_args):
     monkeypatch.setenv("SGLANG_CACHE_DIT_ENABLED", "true")
     with pytest.raises(TrainParityError, match="cache-dit"):
-        _args()
+        opted_in_args()
 
 
-def test_cfg_parallel_only_with_serial_arithmetic():
-    args = _args()
+def test_cfg_parallel_only_with_serial_arithmetic(opted_in_args):
+    args = opted_in_args()
     args.enable_cfg_parallel = True
     assert not args.pipeline_config.cfg_policy.parallel_uses_serial_arithmetic
     with pytest.raises(TrainParityError, match="--enable-cfg-parallel"):
-        train_parity.validate_server_args(args)
+        train_parity_requests.validate_server_args(args)
     args.pipeline_config.cfg_policy.parallel_uses_serial_arithmetic = True
-    train_parity.validate_server_args(args)
+    train_parity_requests.validate_server_args(args)
 
 
-def test_tensor_parallel_starts_with_a_warning(train_parity_log):
-    assert _args(tp_size=2, num_gpus=2).tp_size == 2
+def test_tensor_parallel_starts_with_a_warning(train_parity_log, opted_in_args):
+    assert opted_in_args(tp_size=2, num_gpus=2).tp_size == 2
     assert any("correct but not bitwise" in line for line in train_parity_log)
 
 
-def _request(args, **kwargs) -> SamplingParams:
-    params = SamplingParams(prompt="a cat", **kwargs)
-    params._explicit_fields = set(kwargs)
-    train_parity.adjust_sampling_params(params, args)
-    return params
-
-
-def test_requests_run_the_exact_tier():
-    assert _request(_args()).quality == "exact"
-    assert _request(_args(), quality="exact").quality == "exact"
-    assert _request(_args(numerics="default")).quality != "exact"
+def test_requests_run_the_exact_tier(opted_in_args, train_parity_request):
+    assert train_parity_request(opted_in_args()).quality == "exact"
+    assert train_parity_request(opted_in_args(), quality="exact").quality == "exact"
+    assert train_parity_request(opted_in_args(numerics="default")).quality != "exact"
 
 
 @pytest.mark.parametrize(
@@ -154,7 +152,11 @@ def test_requests_run_the_exact_tier():
         (dict(attention_backend_override="fa"), "attention_backend_override='fa'"),
     ],
 )
-def test_request_option_is_refused(request_kwargs, option):
+def test_request_option_is_refused(
+    request_kwargs, option, opted_in_args, train_parity_request
+):
     with pytest.raises(TrainParityError, match=f"does not support {option}: "):
-        _request(_args(), **request_kwargs)
-    _request(_args(numerics="default"), **request_kwargs)  # the default mode serves it
+        train_parity_request(opted_in_args(), **request_kwargs)
+    train_parity_request(
+        opted_in_args(numerics="default"), **request_kwargs
+    )  # the default mode serves it

@@ -91,7 +91,7 @@ def _disk_update(pipeline, tmp_path, tensors: dict[str, torch.Tensor]):
 
 def test_trainer_names_update_a_lora_wrapped_dit():
     """``proj.weight`` is ``proj.base_layer.weight`` once an adapter is loaded;
-    the update used to refuse the trainer's name (tensor) or skip it (disk)."""
+    an update under the trainer's name loads it, from tensors and from disk."""
     dit = _with_adapter(_TinyDiT())
     before = _params(dit)
     new = torch.ones(8, 8, dtype=BF16)
@@ -165,7 +165,7 @@ def test_one_parameter_given_twice_is_refused():
 )
 def test_adapter_tensors_need_the_lora_mode(name):
     """Under the wrapper's own names (``proj.lora_A``) they are parameters: the
-    full-weight path used to write them in place, past the LoRA rules."""
+    full-weight path must not write them in place, past the LoRA rules."""
     dit = _with_adapter(_TinyDiT())
     adapter = policy_checksum.cached_adapter_checksum(dit)
     shape = tuple(getattr(dit.proj, name.split(".")[1]).shape)
@@ -241,8 +241,8 @@ def test_without_tensor_parallelism_a_loader_gets_the_whole_shape():
 
 
 def test_disk_update_after_a_lora_push_loads_every_tensor(tmp_path):
-    """It used to answer "Updated 1 modules" having loaded only the norm: the
-    checkpoint's ``proj.weight`` was skipped with a warning."""
+    """The checkpoint's ``proj.weight`` loads too: skipped with a warning, the
+    update would answer "Updated 1 modules" having loaded only the norm."""
     dit = _with_adapter(_TinyDiT())
     before = _params(dit)
     new = torch.ones(8, 8, dtype=BF16)
@@ -305,7 +305,8 @@ def _adapter(scale_b: float = 1.0) -> list[tuple[str, torch.Tensor]]:
     ids=["1e300", "huge int", "scale 0 in fp32", "inf", "nan", "B overflows"],
 )
 def test_lora_alpha_out_of_range_is_refused(alpha, scale_b, named):
-    """In every numerics mode: lora_alpha=1e300 used to be served, every output NaN."""
+    """In every numerics mode: lora_alpha=1e300 is refused (served, every output
+    is NaN)."""
     problems = _lora_update_problems(_adapter(scale_b), _TinyDiT(), [], RANK, alpha)
     assert any(named in p for p in problems), problems
     dit = _TinyDiT()
