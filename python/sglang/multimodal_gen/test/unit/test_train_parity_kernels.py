@@ -298,11 +298,17 @@ def test_each_kernel_is_checked_per_alignment_and_not_on_zeros(
     misaligned = list(inputs)
     misaligned[moved] = _misaligned(inputs[moved])
     equal = train_parity_kernels.bitwise_equal
-    comparisons = []
+    comparisons, nested = [], []
 
     def counted_equal(a, b):
-        comparisons.append(gate)
-        return equal(a, b)
+        # a pair of outputs is compared element by element through this name
+        if not nested:
+            comparisons.append(gate)
+        nested.append(True)
+        try:
+            return equal(a, b)
+        finally:
+            nested.pop()
 
     monkeypatch.setattr(train_parity_kernels, "bitwise_equal", counted_equal)
 
@@ -311,8 +317,9 @@ def test_each_kernel_is_checked_per_alignment_and_not_on_zeros(
         before = len(comparisons)
         with torch.no_grad():
             out = call(*operands)
-        assert not compare or equal(out, eager(*operands))
-        return len(comparisons) - before
+        made = len(comparisons) - before
+        assert not compare or counted_equal(out, eager(*operands))
+        return made
 
     def state():
         return train_parity_kernels.gate_states()[gate]
