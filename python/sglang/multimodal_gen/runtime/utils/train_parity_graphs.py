@@ -294,7 +294,7 @@ def _after_other_branches() -> None:
 
 
 def run_cfg_branches(
-    dit: nn.Module, predict: Callable[[Any], Any], branches: Sequence
+    dit: nn.Module | None, predict: Callable[[Any], Any], branches: Sequence
 ) -> list:
     """``[predict(branch) for branch in branches]``, a CFG step's branch
     predictions. Where ``dit`` replays CUDA graphs, each branch runs with a
@@ -302,10 +302,12 @@ def run_cfg_branches(
     the GPU; each stream starts after the current stream's work, which waits
     for all of them before it returns. A kernel computes the same bits on any
     stream, and each branch replays its own graphs from its own memory pool.
-    Otherwise the branches run one after the other."""
+    Otherwise (also without a ``dit``: a stage driven without its model) the
+    branches run one after the other."""
     if (
         len(branches) < 2
         or _branch_streams
+        or dit is None
         or not isinstance(dit.forward, ExactShapeGraphs)
         or not next(dit.parameters()).is_cuda
     ):
